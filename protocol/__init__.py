@@ -1,0 +1,23 @@
+"""kvmux wire contract, protocol v1 (depends on msgspec only)."""
+
+from .codec import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_LIVENESS,
+    PROTOCOL_VERSION,
+    REPLY_OPS,
+    REQUEST_BODIES,
+    SESSION_OPS,
+    WORKER_BODIES,
+    Envelope,
+    Op,
+    ProtocolError,
+    decode_body,
+    decode_envelope,
+    decode_reply,
+    encode,
+    envelope,
+    error_body,
+)
+from .errors import ErrorCode, OverloadReason
+from .messages import *  # noqa: F401,F403  (the message Structs are the API)

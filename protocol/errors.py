@@ -1,0 +1,34 @@
+"""Typed error codes shared by the broker, the workers and both clients."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    """Every error a kvmux peer can answer with; the wire carries the value."""
+
+    SESSION_NOT_FOUND = "session_not_found"
+    SESSION_EXPIRED = "session_expired"  # closed by the idle timeout
+    INVALID_ARGUMENT = "invalid_argument"
+    MALFORMED_FRAME = "malformed_frame"  # undecodable envelope or body
+    UNKNOWN_OP = "unknown_op"
+    BUSY = "busy"  # an append/generate already runs on the session
+    OVERLOADED = "overloaded"  # admission said no (see Error.reason)
+    WORKER_LOST = "worker_lost"
+    CANCELLED = "cancelled"
+    VERSION_MISMATCH = "version_mismatch"
+    FRAME_TOO_LARGE = "frame_too_large"
+    TIMEOUT = "timeout"  # client side: no answer within the call's timeout
+    INTERNAL = "internal"
+
+
+class OverloadReason(str, enum.Enum):
+    """Why an `overloaded` error was given (Error.reason)."""
+
+    NO_SLAB = "no_slab"  # `reject` policy and every slab taken
+    NO_WORKER = "no_worker"  # no worker registered at all
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    QUOTA = "quota"
+    DRAINING = "draining"

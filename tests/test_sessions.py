@@ -1,0 +1,181 @@
+"""Session semantics of the worker, through the real broker and client:
+session-bound prefill, canonical history, chunking, bounded memory,
+sampling, stop strings, streaming text, concurrency."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvmux.client import Client, InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def client(shared_stack):
+    with Client(shared_stack.frontend, timeout=120) as c:
+        yield c
+
+
+def render_ids(tokenizer, messages, generation_prompt=False) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def run(stream):
+    chunks = list(stream)
+    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], stream.result
+
+
+def test_each_turn_prefills_only_its_new_message(client, hf_tokenizer):
+    """10 turns: each turn prefills exactly the tokens its message adds to a
+    one-shot rendering of the conversation, and the history stays equal to
+    that rendering (the assistant turns closed as the template closes them)."""
+    messages: list[dict] = []
+    cached = 0
+    with client.open_session() as session:
+        for turn in range(10):
+            user = "Answer yes or no: is water wet?" if turn == 0 else f"Turn {turn}: name one colour."
+            text, _ids, result = run(session.chat(user, max_tokens=16 if turn == 0 else 6))
+            messages.append({"role": "user", "content": user})
+            assert result.prompt_tokens == len(render_ids(hf_tokenizer, messages, generation_prompt=True)) - cached
+            messages.append({"role": "assistant", "content": text})
+            closed = render_ids(hf_tokenizer, messages)
+            assert result.history_tokens == len(closed)
+            cached = len(closed)
+        assert session.info(token_ids=True).token_ids == closed
+    assert cached > 10 * 10  # the history grew well past any one turn's prefill
+
+
+def test_same_history_in_one_call_or_token_by_token(client, hf_tokenizer):
+    """Within the window, how the history was chunked does not change the
+    greedy continuation."""
+    ids = hf_tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4, add_special_tokens=False)
+    with client.open_session(window=256) as whole, client.open_session(window=256) as by_token:
+        whole.append(token_ids=ids)
+        for t in ids:
+            by_token.append(token_ids=[t])
+        assert whole.info().history_tokens == by_token.info().history_tokens == len(ids)
+        assert run(whole.generate(max_tokens=12))[1] == run(by_token.generate(max_tokens=12))[1]
+
+
+def test_beyond_the_window_chunking_is_deterministic_and_bounded(client, hf_tokenizer):
+    """Past the window, each chunk's tokens see the sink, the last `window`
+    tokens before the chunk and the chunk itself (docs/design.md): the same
+    calls give the same tokens, and the cache holds exactly sink + window."""
+    ids = hf_tokenizer.encode("One two three four five six seven eight nine ten. " * 5, add_special_tokens=False)
+    outputs = []
+    for _ in range(2):
+        with client.open_session(sink=4, window=16) as session:
+            session.append(token_ids=ids[:30])
+            session.append(token_ids=ids[30:])
+            outputs.append(run(session.generate(max_tokens=8))[1])
+            info = session.info()
+            assert info.truncated_tokens == len(ids) + 8 - 20
+            assert info.cached_tokens == 20
+            assert info.kv_live_bytes == info.slab_bytes
+    assert outputs[0] == outputs[1]
+
+
+def _capacity_from_gguf(model_path, sink: int, window: int) -> int:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(model_path)).fields
+
+    def value(key):
+        return int(fields[key].parts[-1][0])
+
+    head_dim = value("llama.embedding_length") // value("llama.attention.head_count")
+    per_token = 2 * value("llama.block_count") * value("llama.attention.head_count_kv") * head_dim * 4  # float32 K and V
+    return (sink + window) * per_token
+
+
+def test_kv_memory_grows_then_stays_flat_at_the_slab_capacity(client, model_path):
+    sink, window = 4, 96
+    capacity = _capacity_from_gguf(model_path, sink, window)
+    series, dropped = [], []
+    with client.open_session(sink=sink, window=window) as session:
+        session.append([{"role": "user", "content": "Hello there."}])
+        series.append(session.info().kv_live_bytes)
+        for turn in range(7):
+            run(session.chat(f"Tell me fact number {turn} about the moon.", max_tokens=8))
+            info = session.info()
+            series.append(info.kv_live_bytes)
+            dropped.append(info.truncated_tokens)
+        assert info.slab_bytes == capacity
+    assert 0 < series[0] < capacity
+    assert series == sorted(series)  # never shrinks while the session lives
+    full = series.index(capacity)
+    assert full < len(series) - 2 and set(series[full:]) == {capacity}
+    assert dropped == sorted(dropped) and dropped[-1] > 0  # the window keeps dropping, memory does not grow
+
+
+def test_seeded_sampling_repeats_however_sessions_interleave(client):
+    def sample(seed, results, key):
+        with client.open_session() as session:
+            results[key] = run(session.chat("Invent a name for a cat.", max_tokens=12, temperature=1.5, top_p=0.95, top_k=50, seed=seed))[1]
+
+    results: dict = {}
+    sample(7, results, "alone")
+    threads = [threading.Thread(target=sample, args=(seed, results, key)) for seed, key in ((7, "a"), (7, "b"), (8, "other"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["alone"] == results["a"] == results["b"]
+    assert results["other"] != results["a"]
+
+
+def test_three_concurrent_sessions_progress_together(client):
+    arrivals: dict[int, list[float]] = {}
+    results = {}
+
+    def chat(i):
+        with client.open_session() as session:
+            stream = session.chat(f"Count from {i} upwards.", max_tokens=10)
+            arrivals[i] = []
+            for _chunk in stream:
+                arrivals[i].append(time.monotonic())
+            results[i] = stream.result
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [0, 1, 2]
+    assert all(r.stop_reason in ("max_tokens", "eos") and r.completion_tokens for r in results.values())
+    # Interleaved per token: every stream's first token came before every
+    # other stream's last one.
+    assert max(a[0] for a in arrivals.values()) < min(a[-1] for a in arrivals.values())
+
+
+def test_stop_string_ends_the_reply_and_is_not_sent(client):
+    with client.open_session() as session:
+        text, _ids, result = run(session.chat("What is the capital of France?", max_tokens=24, stop=["Paris"]))
+    assert result.stop_reason == "stop"
+    assert "Paris" not in text and text.startswith("The capital of France")
+
+
+def test_streamed_text_never_splits_a_character(client, hf_tokenizer):
+    with client.open_session() as session:
+        session.append(token_ids=hf_tokenizer.encode("Émojis: 🙂🙃 日本語 ", add_special_tokens=False) * 3)
+        chunks = list(session.generate(max_tokens=16))
+    ids = [t for c in chunks for t in c.token_ids if t != hf_tokenizer.eos_token_id]
+    assert any(c.text == "" for c in chunks)  # a character spanned tokens and was held back
+    # Only a cut at max_tokens may flush a partial character (as U+FFFD, as a
+    # one-shot decode of the same ids does); no chunk before it splits one.
+    assert all("\ufffd" not in c.text for c in chunks[:-1])
+    assert "".join(c.text for c in chunks) == hf_tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(temperature=-1), dict(top_p=0.0), dict(top_k=-2), dict(max_tokens=0), dict(stop=[""])],
+)
+def test_bad_sampling_options_are_invalid_arguments(client, options):
+    with client.open_session() as session:
+        with pytest.raises(InvalidArgument):
+            run(session.chat("hi", **options))
+        assert run(session.chat("hi", max_tokens=2))[2].completion_tokens == 2  # still usable

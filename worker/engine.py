@@ -1,0 +1,231 @@
+"""Sessions and the compute they need: chunked prefill and token-by-token
+decode on a session's own slab.
+
+Both are generators that yield at every chunk or token boundary, so the
+scheduler can interleave sessions and honour a cancel at the next boundary.
+A session's invariant: its slab holds every history token, and `logits` are
+the model's output after the last one, so a generate may start sampling at
+once and a cancelled or finished generation leaves nothing half-fed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from kvmux.protocol import ErrorCode, ProtocolError, Sampling
+
+from .conversation import Conversation
+from .model import LoadedModel
+from .slab import SlabCache, live_bytes, make_slab
+
+DEFAULT_MAX_TOKENS = 256
+PREFILL_CHUNK = 128  # tokens per prefill step: bounds cancel and interleave latency
+
+
+@dataclass
+class Session:
+    id: str
+    sink: int
+    window: int
+    slab: list[SlabCache]
+    conversation: Conversation
+    defaults: Sampling
+    history: list[int] = field(default_factory=list)  # tokens in the slab (and dropped from it)
+    pending: list[int] = field(default_factory=list)  # appended, not yet prefilled
+    raw: bool = False  # last append was raw token ids: generate continues them, no template
+    logits: mx.array | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def dropped(self) -> int:
+        return self.slab[0].dropped
+
+    @property
+    def kv_live_bytes(self) -> int:
+        return live_bytes(self.slab)
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: list[str]
+
+
+@dataclass
+class Decoded:
+    """What one decode step produced: the token and the text now safe to send."""
+
+    token: int
+    text: str
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, max_sink: int, max_window: int):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.max_sink = max_sink
+        self.max_window = max_window
+        self.eos = set(self.tokenizer.eos_token_ids)
+
+    # ------------------------------------------------------------ sessions
+
+    def slab_bytes(self, sink: int, window: int) -> int:
+        return (sink + window) * self.loaded.kv_bytes_per_token
+
+    def new_session(self, session_id: str, sink: int | None, window: int | None, system: str | None, defaults: Sampling | None) -> Session:
+        sink = self.max_sink if sink is None else sink
+        window = self.max_window if window is None else window
+        if not 0 <= sink <= self.max_sink:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"sink must be within 0..{self.max_sink}")
+        if not 1 <= window <= self.max_window:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"window must be within 1..{self.max_window}")
+        defaults = defaults or Sampling()
+        self.params(Sampling(), defaults)  # validate the defaults now, not at the first generate
+        return Session(
+            id=session_id,
+            sink=sink,
+            window=window,
+            slab=make_slab(len(self.model.layers), sink, window),
+            conversation=Conversation(self.tokenizer, system),
+            defaults=defaults,
+        )
+
+    def params(self, request: Sampling, defaults: Sampling) -> GenerationParams:
+        def pick(name, fallback):
+            value = getattr(request, name)
+            if value is None:
+                value = getattr(defaults, name)
+            return fallback if value is None else value
+
+        params = GenerationParams(
+            max_tokens=pick("max_tokens", DEFAULT_MAX_TOKENS),
+            temperature=pick("temperature", 0.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            seed=pick("seed", int.from_bytes(os.urandom(4), "little")),
+            stop=pick("stop", []),
+        )
+        problems = []
+        if params.max_tokens < 1:
+            problems.append("max_tokens must be >= 1")
+        if params.temperature < 0:
+            problems.append("temperature must be >= 0")
+        if not 0 < params.top_p <= 1:
+            problems.append("top_p must be in (0, 1]")
+        if params.top_k < 0:
+            problems.append("top_k must be >= 0")
+        if any(not s for s in params.stop):
+            problems.append("stop strings must be non-empty")
+        if problems:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "; ".join(problems))
+        return params
+
+    # ------------------------------------------------------------ tokens
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"token ids must be within 0..{vocab - 1}")
+
+    # ------------------------------------------------------------ compute
+
+    def _forward(self, session: Session, tokens: mx.array) -> mx.array:
+        return self.model(tokens[None], cache=session.slab)[:, -1, :]
+
+    def prefill(self, session: Session) -> Iterator[None]:
+        """Feed the session's pending tokens into its slab, a chunk per step.
+        What a cancel leaves pending is fed by the next append or generate."""
+        while session.pending:
+            chunk = session.pending[:PREFILL_CHUNK]
+            logits = self._forward(session, mx.array(chunk))
+            mx.eval(logits, [layer.state for layer in session.slab])
+            session.logits = logits
+            session.history.extend(chunk)
+            del session.pending[: len(chunk)]
+            yield
+
+    def decode(self, session: Session, params: GenerationParams, emit: Callable[[Decoded], None], should_stop: Callable[[], bool]) -> Iterator[None]:
+        """Sample up to max_tokens tokens, feeding each one into the slab.
+
+        Yields at each token boundary; returns (stop reason, generated text).
+        The next step is computed asynchronously while this one's token is
+        detokenized and sent, as mlx-lm's generate_step does.
+        """
+        if session.logits is None:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
+        sampler = make_sampler(params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0, top_k=params.top_k)
+
+        def sample(logits: mx.array, step: int) -> mx.array:
+            # Reseed per step: sessions interleave on one global PRNG, and a
+            # seed must give the same tokens however they interleave.
+            mx.random.seed((params.seed * 1_000_003 + step) & 0xFFFFFFFF)
+            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+        detok = self.tokenizer.detokenizer
+        stops = StopMatcher(params.stop)
+        y = sample(session.logits, 0)
+        for step in range(params.max_tokens):
+            logits = self._forward(session, y)
+            y_next = sample(logits, step + 1)
+            mx.async_eval(y_next)
+            token = y.item()
+            session.history.append(token)
+            is_eos = token in self.eos
+            if not is_eos:
+                detok.add_token(token)
+            reason = "eos" if is_eos else "max_tokens" if step + 1 == params.max_tokens else "cancelled" if should_stop() else None
+            if reason:
+                detok.finalize()
+            text, hit = stops.feed(detok.last_segment)
+            if hit:
+                reason = "stop"
+            elif reason:
+                text += stops.flush()  # nothing more can complete a stop string
+            emit(Decoded(token, text))
+            if reason:
+                mx.eval(logits, [layer.state for layer in session.slab])
+                session.logits = logits
+                return reason, detok.text
+            y = y_next
+            yield
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back any tail that may
+    still grow into one, so no stop string is ever sent."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        self.pending += segment
+        if not self.stops:
+            text, self.pending = self.pending, ""
+            return text, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.pending = self.pending[: min(hits)], ""
+            return text, True
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        cut = len(self.pending) - hold
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text

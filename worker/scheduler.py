@@ -1,0 +1,293 @@
+"""The compute thread: owns the model, the slab pool and the sessions, serves
+requests that the I/O thread passes over an inproc socket, and steps every
+running job one token (or prefill chunk) at a time, round robin, so sessions
+progress together and a cancel lands at the next boundary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+import zmq
+
+from kvmux import logs
+from kvmux import protocol as p
+from kvmux.protocol import ErrorCode, Op, ProtocolError
+
+from .engine import Decoded, Engine, Session
+from .slab import SlabPool
+
+log = logs.get("worker.scheduler")
+
+IDLE_POLL_MS = 100
+
+
+@dataclass
+class Job:
+    """A running append or generate on one session."""
+
+    session: Session
+    route: bytes
+    request_id: int
+    steps: Iterator[None] | None = None
+    cancelled: bool = False
+    window: int = 0  # Generate.credit; 0 = no flow control
+    outstanding: int = 0  # chunks sent minus credits returned
+    close_after: tuple[bytes, int] | None = None  # a close that waits for this job
+
+    @property
+    def runnable(self) -> bool:
+        return self.cancelled or not self.window or self.outstanding < self.window
+
+
+@dataclass
+class Scheduler:
+    engine: Engine
+    pool: SlabPool
+    worker_id: str
+    pipe: zmq.Socket  # PAIR to the I/O thread
+    sessions: dict[str, Session] = field(default_factory=dict)
+    jobs: dict[str, Job] = field(default_factory=dict)
+    draining: bool = False
+
+    # ------------------------------------------------------------ plumbing
+
+    def send(self, route: bytes, op: str, request_id: int, session_id: str, body) -> None:
+        self.pipe.send_multipart([route, p.envelope(op, request_id, session_id), p.encode(body)])
+
+    def error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str, **extra) -> None:
+        self.pipe.send_multipart([route, p.envelope(Op.ERROR, request_id, session_id), p.error_body(code, message, **extra)])
+
+    def run(self, stop) -> None:
+        """Serve until `stop` (a threading.Event) is set."""
+        while not stop.is_set():
+            runnable = [job for job in self.jobs.values() if job.runnable]
+            timeout = 0 if runnable else IDLE_POLL_MS
+            while self.pipe.poll(timeout):
+                self.dispatch(self.pipe.recv_multipart())
+                timeout = 0
+            for job in runnable:
+                if self.jobs.get(job.session.id) is job:
+                    self.step(job)
+
+    def step(self, job: Job) -> None:
+        try:
+            next(job.steps)
+        except StopIteration:
+            self.finish(job)
+        except ProtocolError as exc:
+            self.finish(job)
+            self.error(job.route, job.request_id, job.session.id, exc.code, exc.message, **exc.extra)
+        except Exception as exc:  # one bad request must not kill the compute loop
+            log.exception("job_failed", session=job.session.id)
+            self.finish(job)
+            self.error(job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def finish(self, job: Job) -> None:
+        del self.jobs[job.session.id]
+        job.session.last_used = time.monotonic()
+        if job.close_after:
+            self.close(job.session, *job.close_after)
+
+    # ------------------------------------------------------------ requests
+
+    def dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) == 1:
+            self.control(frames[0])
+            return
+        route, raw_env, raw_body = frames
+        try:
+            env = p.decode_envelope(raw_env)
+        except ProtocolError as exc:
+            self.error(route, 0, "", exc.code, exc.message)
+            return
+        try:
+            body = p.decode_body(env.op, raw_body)
+            handler = self.HANDLERS.get(env.op)
+            if handler is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"a worker does not serve {env.op!r}")
+            if env.op == Op.OPEN:
+                handler(self, route, env, body)
+                return
+            session = self.sessions.get(env.session_id)
+            if session is None:
+                raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {env.session_id!r} on this worker")
+            handler(self, route, env, body, session)
+        except ProtocolError as exc:
+            self.error(route, env.request_id, env.session_id, exc.code, exc.message, **exc.extra)
+        except Exception as exc:
+            log.exception("request_failed", op=env.op)
+            self.error(route, env.request_id, env.session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def control(self, name: bytes) -> None:
+        if name == b"drop":  # re-registering with a broker that knows none of our sessions
+            for session in list(self.sessions.values()):
+                self.drop(session)
+        elif name == b"drain":
+            self.draining = True
+        elif name == b"cancel_all":
+            for job in self.jobs.values():
+                job.cancelled = True
+
+    def open(self, route: bytes, env: p.Envelope, body: p.OpenSession) -> None:
+        if self.draining:
+            raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
+        if not env.session_id or env.session_id in self.sessions:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "open needs a new session id")
+        if not self.pool.take():
+            raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
+        try:
+            session = self.engine.new_session(env.session_id, body.sink, body.window, body.system, body.sampling)
+        except BaseException:
+            self.pool.give_back()
+            raise
+        self.sessions[session.id] = session
+        log.info("session_opened", session=session.id, sink=session.sink, window=session.window)
+        self.send(route, Op.FINAL, env.request_id, session.id, p.SessionOpened(
+            session_id=session.id, worker_id=self.worker_id, model=self.engine.loaded.model_id,
+            sink=session.sink, window=session.window, slab_bytes=self.engine.slab_bytes(session.sink, session.window),
+        ))  # fmt: skip
+
+    def start(self, route: bytes, env: p.Envelope, session: Session, steps, window: int = 0) -> None:
+        if session.id in self.jobs:
+            raise ProtocolError(ErrorCode.BUSY, "an append or generate is already running on this session")
+        if self.draining:
+            raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
+        job = Job(session=session, route=route, request_id=env.request_id, window=window)
+        job.steps = steps(job)
+        self.jobs[session.id] = job
+
+    def queue_messages(self, session: Session, messages: list[p.ChatMessage]) -> None:
+        text = session.conversation.extend([{"role": m.role, "content": m.content} for m in messages])
+        session.pending.extend(self.engine.encode(text))
+        session.raw = False
+
+    def append(self, route: bytes, env: p.Envelope, body: p.Append, session: Session) -> None:
+        if bool(body.messages) == bool(body.token_ids):
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "append takes either messages or token_ids")
+        if session.id in self.jobs:
+            raise ProtocolError(ErrorCode.BUSY, "an append or generate is already running on this session")
+        if body.messages:
+            self.queue_messages(session, body.messages)
+        else:
+            self.engine.check_token_ids(body.token_ids)
+            session.pending.extend(body.token_ids)
+            session.raw = True
+        new_tokens = len(session.pending)
+
+        def steps(job: Job):
+            started = time.perf_counter()
+            for _ in self.engine.prefill(session):
+                yield
+                if job.cancelled:
+                    raise ProtocolError(ErrorCode.CANCELLED, f"append cancelled; {len(session.pending)} tokens stay queued for the next call")
+            self.send(route, Op.FINAL, env.request_id, session.id, p.Appended(
+                new_tokens=new_tokens, history_tokens=len(session.history), prefill_s=time.perf_counter() - started,
+                truncated_tokens=session.dropped,
+            ))  # fmt: skip
+
+        self.start(route, env, session, steps)
+
+    def generate(self, route: bytes, env: p.Envelope, body: p.Generate, session: Session) -> None:
+        if session.id in self.jobs:
+            raise ProtocolError(ErrorCode.BUSY, "an append or generate is already running on this session")
+        params = self.engine.params(body, session.defaults)
+        if body.credit < 0:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "credit must be >= 0")
+        if body.messages:
+            self.queue_messages(session, body.messages)
+        chat = not session.raw and bool(session.conversation.messages)
+        if chat:
+            session.pending.extend(self.engine.encode(session.conversation.generation_prompt()))
+        if session.logits is None and not session.pending:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
+
+        def emit(job: Job, decoded: Decoded) -> None:
+            job.outstanding += bool(job.window)
+            self.send(route, Op.PARTIAL, env.request_id, session.id, p.Chunk(token_ids=[decoded.token], text=decoded.text))
+
+        def steps(job: Job):
+            queued = len(session.pending)
+            started = time.perf_counter()
+            for _ in self.engine.prefill(session):
+                yield
+                if job.cancelled:
+                    break
+            prefill_s = time.perf_counter() - started
+            prompt_tokens = queued - len(session.pending)
+            reason, text, completion, decode_s = "cancelled", "", 0, 0.0
+            if not job.cancelled:
+                started, before = time.perf_counter(), len(session.history)
+                reason, text = yield from self.engine.decode(session, params, lambda d: emit(job, d), lambda: job.cancelled)
+                decode_s = time.perf_counter() - started
+                completion = len(session.history) - before
+            if chat:
+                # Close the assistant turn as the template renders it, so the
+                # next message continues a canonical history. After a cancel
+                # inside the prefill the closing tokens just stay queued.
+                generated = text + (self.engine.tokenizer.decode(session.history[-1:]) if reason == "eos" else "")
+                session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
+                if reason != "cancelled" or completion:
+                    yield from self.engine.prefill(session)
+            self.send(route, Op.FINAL, env.request_id, session.id, p.GenerateResult(
+                stop_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion,
+                prefill_s=prefill_s, decode_s=decode_s, truncated_tokens=session.dropped,
+                history_tokens=len(session.history) + len(session.pending),
+            ))  # fmt: skip
+
+        self.start(route, env, session, steps, window=body.credit)
+
+    def cancel(self, route: bytes, env: p.Envelope, body: p.Cancel, session: Session) -> None:
+        job = self.jobs.get(session.id)
+        if job is not None and (body.request_id is None or body.request_id == job.request_id):
+            job.cancelled = True
+        self.send(route, Op.FINAL, env.request_id, session.id, p.Ack())
+
+    def credit(self, route: bytes, env: p.Envelope, body: p.Credit, session: Session) -> None:
+        # No reply: credits flow with the stream, and a reply per grant would
+        # double the frames of a long generation.
+        job = self.jobs.get(session.id)
+        if job is not None and job.request_id == body.request_id:
+            job.outstanding = max(0, job.outstanding - body.n)
+
+    def info(self, route: bytes, env: p.Envelope, body: p.Info, session: Session) -> None:
+        self.send(route, Op.FINAL, env.request_id, session.id, p.SessionInfo(
+            session_id=session.id, worker_id=self.worker_id,
+            history_tokens=len(session.history) + len(session.pending), cached_tokens=session.slab[0].size(),
+            kv_live_bytes=session.kv_live_bytes, slab_bytes=self.engine.slab_bytes(session.sink, session.window),
+            truncated_tokens=session.dropped, idle_s=0.0 if session.id in self.jobs else time.monotonic() - session.last_used,
+            sink=session.sink, window=session.window, busy=session.id in self.jobs,
+            messages=len(session.conversation.messages),
+            token_ids=session.history + session.pending if body.token_ids else None,
+        ))  # fmt: skip
+
+    def close(self, session: Session, route: bytes, request_id: int) -> None:
+        self.drop(session)
+        self.send(route, Op.FINAL, request_id, session.id, p.Closed(session_id=session.id))
+
+    def close_request(self, route: bytes, env: p.Envelope, body: p.Close, session: Session) -> None:
+        job = self.jobs.get(session.id)
+        if job is None:
+            self.close(session, route, env.request_id)
+        else:  # stop the running job at its next boundary, then close
+            job.cancelled = True
+            job.close_after = (route, env.request_id)
+
+    def drop(self, session: Session) -> None:
+        self.jobs.pop(session.id, None)
+        del self.sessions[session.id]
+        self.pool.give_back()
+        log.info("session_closed", session=session.id)
+        mx.clear_cache()
+
+    HANDLERS = {
+        Op.OPEN: open,
+        Op.APPEND: append,
+        Op.GENERATE: generate,
+        Op.CANCEL: cancel,
+        Op.CREDIT: credit,
+        Op.INFO: info,
+        Op.CLOSE: close_request,
+    }
