@@ -1,0 +1,143 @@
+"""What the sync and asyncio clients share: request bodies built from keyword
+options, reply frames parsed and demultiplexed by request id, and the
+bookkeeping of one generate stream (chunks, final result, credit)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from kvmux import protocol as p
+
+from . import errors
+
+log = logging.getLogger("kvmux.client")
+
+DEFAULT_TIMEOUT_S = 30.0
+# Chunks the worker may send ahead of the consumer; half of it is granted
+# back at a time, so a slow reader holds at most CREDIT chunks in memory.
+DEFAULT_CREDIT = 32
+
+MessagesLike = Iterable["p.ChatMessage | dict[str, str] | tuple[str, str]"]
+
+
+def chat_messages(messages: MessagesLike | None) -> list[p.ChatMessage]:
+    """Accept ChatMessage, {"role", "content"} dicts or (role, content) pairs."""
+    out = []
+    for m in messages or ():
+        if isinstance(m, p.ChatMessage):
+            out.append(m)
+        elif isinstance(m, dict):
+            out.append(p.ChatMessage(role=m["role"], content=m["content"]))
+        else:
+            role, content = m
+            out.append(p.ChatMessage(role=role, content=content))
+    return out
+
+
+def open_body(system: str | None, sampling: p.Sampling | dict | None = None, **options: Any) -> p.OpenSession:
+    """OpenSession from keyword options; sampling fields (max_tokens,
+    temperature, ...) may be given flat or as `sampling=`."""
+    flat = {k: options.pop(k) for k in list(options) if k in p.Sampling.__struct_fields__}
+    if isinstance(sampling, p.Sampling):
+        sampling = {f: getattr(sampling, f) for f in p.Sampling.__struct_fields__}
+    merged = {**(sampling or {}), **flat}
+    return p.OpenSession(system=system, sampling=p.Sampling(**merged) if merged else None, **options)
+
+
+def generate_body(messages: MessagesLike | None = None, credit: int = DEFAULT_CREDIT, **sampling: Any) -> p.Generate:
+    return p.Generate(messages=chat_messages(messages), credit=credit, **sampling)
+
+
+def append_body(messages: MessagesLike | None = None, token_ids: list[int] | None = None) -> p.Append:
+    return p.Append(messages=chat_messages(messages), token_ids=list(token_ids or ()))
+
+
+def frames(op: str, request_id: int, session_id: str, body: Any) -> list[bytes]:
+    return [p.envelope(op, request_id, session_id), p.encode(body)]
+
+
+class Reply(NamedTuple):
+    op: str
+    request_id: int
+    session_id: str
+    body: Any  # a ReplyBody, or a KvmuxError when the body did not decode
+
+    @property
+    def last(self) -> bool:
+        return self.op != p.Op.PARTIAL
+
+
+def parse(parts: list[bytes]) -> Reply | None:
+    """A reply frame, or None (logged) when not even its envelope decodes."""
+    if len(parts) != 2:
+        log.warning("dropping reply with %d parts", len(parts))
+        return None
+    try:
+        env = p.decode_envelope(parts[0])
+    except p.ProtocolError as exc:
+        log.warning("dropping reply: %s", exc.message)
+        return None
+    try:
+        body: Any = p.decode_reply(parts[1])
+    except p.ProtocolError as exc:
+        body = errors.ERRORS[exc.code](exc.message, request_id=env.request_id, session_id=env.session_id)
+    return Reply(env.op, env.request_id, env.session_id, body)
+
+
+def unwrap(reply: Reply) -> Any:
+    """The reply's body, or raise the exception its ERROR carries."""
+    body = reply.body
+    if isinstance(body, errors.KvmuxError):
+        raise body
+    if isinstance(body, p.Error):
+        raise errors.from_reply(body, reply.request_id, reply.session_id)
+    return body
+
+
+def timeout_error(what: str, timeout: float, request_id: int, session_id: str = "") -> errors.Timeout:
+    return errors.Timeout(f"no reply to {what} within {timeout:g}s", request_id=request_id, session_id=session_id or None)
+
+
+class StreamState:
+    """One generate stream as the replies arrive: hands out chunks, keeps the
+    final result, and says when to grant the worker more credit."""
+
+    def __init__(self, request_id: int, session_id: str, credit: int):
+        self.request_id = request_id
+        self.session_id = session_id
+        self.credit = credit
+        self.result: p.GenerateResult | None = None
+        self.done = False
+        self.cancel_sent = False
+        self._unacked = 0
+
+    def feed(self, reply: Reply) -> p.Chunk | None:
+        """The next chunk, or None once the final result is in; raises the
+        ERROR it ends with."""
+        if reply.last:
+            self.done = True
+        body = unwrap(reply)
+        if isinstance(body, p.Chunk):
+            self._unacked += 1
+            return body
+        if isinstance(body, p.GenerateResult):
+            self.result = body
+            return None
+        self.done = True
+        raise errors.Internal(f"unexpected {type(body).__name__} in a generate stream", request_id=reply.request_id)
+
+    def grant(self) -> int:
+        """Chunks to grant back now (0: not yet, or no flow control)."""
+        if self.credit <= 0 or self.done or self._unacked < max(1, self.credit // 2):
+            return 0
+        n, self._unacked = self._unacked, 0
+        return n
+
+    def credit_frames(self, n: int, request_id: int) -> list[bytes]:
+        return frames(p.Op.CREDIT, request_id, self.session_id, p.Credit(request_id=self.request_id, n=n))
+
+    def cancel_frames(self, request_id: int) -> list[bytes]:
+        self.cancel_sent = True
+        return frames(p.Op.CANCEL, request_id, self.session_id, p.Cancel(request_id=self.request_id))

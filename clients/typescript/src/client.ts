@@ -1,0 +1,378 @@
+/**
+ * The Node client: one zeromq.js Dealer per Client, one read loop that
+ * demultiplexes replies by request id, sends serialized (zeromq.js allows
+ * one send in flight per socket). Streams use the protocol's credit flow
+ * control, so a slow consumer holds at most `credit` chunks in memory.
+ */
+
+import { Dealer } from "zeromq";
+
+import { decode, decodeEnvelope, encodeStruct, envelope, REPLY_TAGS } from "./codec.js";
+import { fromReply, Internal, KvmuxError, MalformedFrame, SessionNotFound, Timeout } from "./errors.js";
+import { defaultFrontend } from "./paths.js";
+import { Queue } from "./queue.js";
+import {
+  Op,
+  type Ack,
+  type Appended,
+  type BrokerStats,
+  type ChatMessage,
+  type Chunk,
+  type Closed,
+  type ErrorReply,
+  type GenerateResult,
+  type Pong,
+  type Reply,
+  type Sampling,
+  type SessionInfo,
+  type SessionOpened,
+} from "./schema.js";
+
+export const DEFAULT_TIMEOUT_MS = 30_000;
+/** Chunks the worker may send ahead of the consumer; half is granted back at a time. */
+export const DEFAULT_CREDIT = 32;
+
+export interface CallOptions {
+  /** Bounds this call (a stream: each frame). Defaults to the client's. */
+  timeoutMs?: number;
+}
+export interface ClientOptions {
+  timeoutMs?: number;
+}
+export interface OpenOptions extends CallOptions, Sampling {
+  system?: string;
+  sink?: number;
+  window?: number;
+  /** Sampling defaults for the session; the flat keys (maxTokens, temperature, ...) are merged in. */
+  sampling?: Sampling;
+  admission?: string;
+  queueWaitS?: number;
+  clientName?: string;
+}
+export interface GenerateOptions extends CallOptions, Sampling {
+  messages?: ChatMessage[];
+  /** 0 turns flow control off. */
+  credit?: number;
+  /** Aborting cancels the generation on the worker; the pending `next()` rejects with the signal's reason. */
+  signal?: AbortSignal;
+}
+export interface AppendOptions extends CallOptions {
+  messages?: ChatMessage[];
+  tokenIds?: number[];
+}
+
+const SAMPLING_KEYS = ["maxTokens", "temperature", "topP", "topK", "seed", "stop"] as const;
+
+interface Frame {
+  op: string;
+  requestId: number;
+  sessionId: string;
+  body: Reply | KvmuxError;
+}
+
+function unwrap<T>(frame: Frame): T {
+  const body = frame.body;
+  if (body instanceof KvmuxError) throw body;
+  if (body.type === "error") throw fromReply(body as ErrorReply, frame.requestId, frame.sessionId);
+  return body as T;
+}
+
+function pickSampling(options: Sampling): Sampling {
+  const out: Record<string, unknown> = {};
+  for (const key of SAMPLING_KEYS) if (options[key] !== undefined) out[key] = options[key];
+  return out as Sampling;
+}
+
+export class Client {
+  readonly endpoint: string;
+  readonly timeoutMs: number;
+  private readonly socket: Dealer;
+  private readonly calls = new Map<number, Queue<Frame>>();
+  private readonly sessions = new Set<Session>();
+  private readonly reader: Promise<void>;
+  private sending: Promise<unknown> = Promise.resolve();
+  private nextId = 1;
+  private closed = false;
+
+  constructor(endpoint?: string, options: ClientOptions = {}) {
+    this.endpoint = endpoint ?? defaultFrontend();
+    this.timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+    this.socket = new Dealer({ linger: 0, sendTimeout: this.timeoutMs });
+    this.socket.connect(this.endpoint);
+    this.reader = this.read();
+  }
+
+  async openSession(options: OpenOptions = {}): Promise<Session> {
+    const { system, sink, window, admission, queueWaitS, clientName } = options;
+    const sampling = { ...options.sampling, ...pickSampling(options) };
+    const body = { system, sink, window, admission, queueWaitS, clientName, sampling: Object.keys(sampling).length ? sampling : undefined };
+    // A queued open may legitimately wait queueWaitS before its answer.
+    const timeoutMs = (options.timeoutMs ?? this.timeoutMs) + (queueWaitS ?? 0) * 1000;
+    const opened = await this.call<SessionOpened>(Op.OPEN, "", "OpenSession", body, timeoutMs);
+    const session = new Session(this, opened);
+    this.sessions.add(session);
+    return session;
+  }
+
+  stats(options: CallOptions = {}): Promise<BrokerStats> {
+    return this.call(Op.STATS, "", "Stats", {}, options.timeoutMs);
+  }
+
+  ping(options: CallOptions = {}): Promise<Pong> {
+    return this.call(Op.PING, "", "Ping", {}, options.timeoutMs);
+  }
+
+  /** Close this client's open sessions (best effort), then the socket. */
+  async close(): Promise<void> {
+    if (this.closed) return;
+    for (const session of [...this.sessions]) {
+      await session.close({ timeoutMs: Math.min(this.timeoutMs, 2000) }).catch(() => undefined);
+    }
+    this.closed = true;
+    for (const [requestId, queue] of this.calls) {
+      queue.push({ op: Op.ERROR, requestId, sessionId: "", body: new KvmuxError("client is closed") });
+    }
+    this.calls.clear();
+    this.socket.close();
+    await this.reader;
+  }
+
+  // ------------------------------------------------------------ internals
+
+  /** @internal */
+  forget(session: Session): void {
+    this.sessions.delete(session);
+  }
+
+  private post(frames: Uint8Array[]): Promise<unknown> {
+    const sent = this.sending.then(() => this.socket.send(frames));
+    this.sending = sent.catch(() => undefined);
+    return sent;
+  }
+
+  /** @internal Send a request and return its id and reply queue. */
+  async request(op: string, sessionId: string, schema: string, body: object): Promise<[number, Queue<Frame>]> {
+    if (this.closed) throw new KvmuxError("client is closed");
+    const requestId = this.nextId++;
+    const frames = [envelope(op, requestId, sessionId), encodeStruct(schema, body as Record<string, unknown>)];
+    const queue = new Queue<Frame>();
+    this.calls.set(requestId, queue);
+    try {
+      await this.post(frames);
+    } catch (err) {
+      this.calls.delete(requestId);
+      throw new Timeout(`could not send ${op}: ${String(err)}`, { requestId, sessionId });
+    }
+    return [requestId, queue];
+  }
+
+  /** @internal A frame no reply is awaited for (cancel, credit). */
+  fire(op: string, sessionId: string, schema: string, body: object): void {
+    if (this.closed) return;
+    const frames = [envelope(op, this.nextId++, sessionId), encodeStruct(schema, body as Record<string, unknown>)];
+    this.post(frames).catch(() => undefined);
+  }
+
+  /** @internal */
+  wait(requestId: number, queue: Queue<Frame>, timeoutMs: number | undefined, what: string, sessionId = "", signal?: AbortSignal): Promise<Frame> {
+    const ms = timeoutMs ?? this.timeoutMs;
+    return queue.shift(ms, () => {
+      this.calls.delete(requestId);
+      return new Timeout(`no reply to ${what} within ${ms} ms`, { requestId, sessionId: sessionId || undefined });
+    }, signal);
+  }
+
+  /** @internal */
+  async call<T>(op: string, sessionId: string, schema: string, body: object, timeoutMs?: number): Promise<T> {
+    const [requestId, queue] = await this.request(op, sessionId, schema, body);
+    return unwrap<T>(await this.wait(requestId, queue, timeoutMs, op, sessionId));
+  }
+
+  private async read(): Promise<void> {
+    try {
+      for await (const [env, body] of this.socket) this.dispatch(env, body);
+    } catch (err) {
+      if (!this.closed) throw err;
+    }
+  }
+
+  private dispatch(env: Uint8Array, raw: Uint8Array | undefined): void {
+    let op: string, requestId: number, sessionId: string;
+    try {
+      [, op, requestId, sessionId] = decodeEnvelope(env);
+    } catch {
+      return; // not even an envelope: nobody to tell
+    }
+    const queue = this.calls.get(requestId);
+    if (!queue) return; // timed out or cancelled meanwhile
+    if (op !== Op.PARTIAL) this.calls.delete(requestId);
+    let body: Reply | KvmuxError;
+    try {
+      body = decode(raw ?? new Uint8Array()) as Reply;
+      if (typeof body !== "object" || body === null || !(body.type in REPLY_TAGS)) throw new TypeError("unknown reply type");
+    } catch (err) {
+      body = new MalformedFrame(`bad reply body: ${String(err)}`, { requestId, sessionId });
+    }
+    queue.push({ op, requestId, sessionId, body });
+  }
+}
+
+export class Session {
+  readonly id: string;
+  private feed?: Feed;
+  private closed = false;
+
+  constructor(readonly client: Client, readonly opened: SessionOpened) {
+    this.id = opened.sessionId;
+  }
+
+  /** Append a user message and generate the reply, in one round trip. */
+  chat(text: string, options: GenerateOptions = {}): ChatStream {
+    return this.generate({ ...options, messages: [...(options.messages ?? []), { role: "user", content: text }] });
+  }
+
+  /** Stream a generation; the request goes out on the first `next()`. */
+  generate(options: GenerateOptions = {}): ChatStream {
+    return new ChatStream(this, options);
+  }
+
+  async append(options: AppendOptions): Promise<Appended> {
+    await this.settle();
+    const body = { messages: options.messages ?? [], tokenIds: options.tokenIds ?? [] };
+    return this.client.call(Op.APPEND, this.id, "Append", body, options.timeoutMs);
+  }
+
+  /** Cancel the running append/generate; the stream ends with stopReason "cancelled". */
+  cancel(options: CallOptions = {}): Promise<Ack> {
+    return this.client.call(Op.CANCEL, this.id, "Cancel", {}, options.timeoutMs);
+  }
+
+  info(options: CallOptions & { tokenIds?: boolean } = {}): Promise<SessionInfo> {
+    return this.client.call(Op.INFO, this.id, "Info", { tokenIds: options.tokenIds ?? false }, options.timeoutMs);
+  }
+
+  /** Free the session's slab (undefined if it was already closed here). */
+  async close(options: CallOptions = {}): Promise<Closed | undefined> {
+    if (this.closed) return undefined;
+    await this.settle();
+    this.closed = true;
+    this.client.forget(this);
+    return this.client.call(Op.CLOSE, this.id, "Close", {}, options.timeoutMs);
+  }
+
+  /** @internal */
+  async start(options: GenerateOptions): Promise<Feed> {
+    await this.settle();
+    const credit = options.credit ?? DEFAULT_CREDIT;
+    const body = { ...pickSampling(options), messages: options.messages ?? [], credit };
+    const [requestId, queue] = await this.client.request(Op.GENERATE, this.id, "Generate", body);
+    this.feed = new Feed(this.client, this.id, requestId, queue, credit, options.timeoutMs);
+    return this.feed;
+  }
+
+  /** Cancel and drain an unfinished earlier stream (one dropped or aborted). */
+  private async settle(): Promise<void> {
+    if (this.closed) throw new SessionNotFound(`session ${this.id} was closed`, { sessionId: this.id });
+    const feed = this.feed;
+    this.feed = undefined;
+    // How an abandoned stream ended is nobody's concern now.
+    if (feed) await feed.close().catch((err) => { if (!(err instanceof KvmuxError)) throw err; });
+  }
+}
+
+/** @internal The consuming side of one stream, kept by the session so it can drain it. */
+class Feed {
+  result?: GenerateResult;
+  done = false;
+  private cancelSent = false;
+  private unacked = 0;
+
+  constructor(
+    private readonly client: Client,
+    private readonly sessionId: string,
+    readonly requestId: number,
+    private readonly queue: Queue<Frame>,
+    private readonly credit: number,
+    private readonly timeoutMs?: number,
+  ) {}
+
+  async next(signal?: AbortSignal): Promise<Chunk | undefined> {
+    if (this.done) return undefined;
+    let frame: Frame;
+    try {
+      frame = await this.client.wait(this.requestId, this.queue, this.timeoutMs, "generate", this.sessionId, signal);
+    } catch (err) {
+      if (err instanceof Timeout) this.done = true;
+      this.cancel();
+      throw err;
+    }
+    if (frame.op !== Op.PARTIAL) this.done = true;
+    const body = unwrap<Reply>(frame);
+    if (body.type === "chunk") {
+      this.unacked++;
+      if (this.credit > 0 && !this.done && this.unacked >= Math.max(1, this.credit >> 1)) {
+        this.client.fire(Op.CREDIT, this.sessionId, "Credit", { requestId: this.requestId, n: this.unacked });
+        this.unacked = 0;
+      }
+      return body;
+    }
+    if (body.type === "result") {
+      this.result = body;
+      return undefined;
+    }
+    this.done = true;
+    throw new Internal(`unexpected ${body.type} in a generate stream`, { requestId: this.requestId });
+  }
+
+  cancel(): void {
+    if (this.cancelSent || this.done) return;
+    this.cancelSent = true;
+    this.client.fire(Op.CANCEL, this.sessionId, "Cancel", { requestId: this.requestId });
+  }
+
+  async close(): Promise<void> {
+    this.cancel();
+    while ((await this.next()) !== undefined);
+  }
+}
+
+/**
+ * Async iterable of chunks; `result` holds the final GenerateResult once the
+ * loop ends. `break` cancels the generation and waits for its end.
+ */
+export class ChatStream implements AsyncIterableIterator<Chunk> {
+  private feed?: Feed;
+  private starting?: Promise<Feed>;
+
+  constructor(readonly session: Session, private readonly options: GenerateOptions) {
+    options.signal?.addEventListener("abort", () => this.feed?.cancel(), { once: true });
+  }
+
+  get result(): GenerateResult | undefined {
+    return this.feed?.result;
+  }
+
+  [Symbol.asyncIterator](): ChatStream {
+    return this;
+  }
+
+  async next(): Promise<IteratorResult<Chunk, undefined>> {
+    this.options.signal?.throwIfAborted();
+    this.starting ??= this.session.start(this.options);
+    this.feed ??= await this.starting;
+    const chunk = await this.feed.next(this.options.signal);
+    return chunk ? { value: chunk, done: false } : { value: undefined, done: true };
+  }
+
+  async return(): Promise<IteratorResult<Chunk, undefined>> {
+    if (this.starting) await (await this.starting).close();
+    return { value: undefined, done: true };
+  }
+
+  /** Consume the rest: the concatenated text and the final result. */
+  async text(): Promise<string> {
+    let text = "";
+    for await (const chunk of this) text += chunk.text;
+    return text;
+  }
+}

@@ -1,0 +1,159 @@
+/**
+ * msgpack frames byte-identical to the Python side (msgspec).
+ *
+ * A JS number cannot say whether it is 1 or 1.0, so bodies are encoded field
+ * by field from the generated tables in schema.ts: float fields always as
+ * float64, ints in their smallest form (bigint beyond 2**53), fields in
+ * declaration order, and a field equal to its default omitted, as msgspec's
+ * omit_defaults does. Scalars go through @msgpack/msgpack; only map and array
+ * headers are written here. Wire names are snake_case; the objects this
+ * module takes and returns use camelCase keys.
+ */
+
+import { Decoder, Encoder } from "@msgpack/msgpack";
+import { PROTOCOL_VERSION, SCHEMAS } from "./schema.js";
+
+export type FieldType = "int" | "float" | "str" | "bool" | { list: FieldType } | { struct: string };
+/** [wire name, type] for a required field, [wire name, type, default] otherwise. */
+export type Field = [string, FieldType] | [string, FieldType, unknown];
+export interface StructTable {
+  tag: string | null;
+  array: boolean;
+  fields: Field[];
+}
+
+const plain = new Encoder();
+const big = new Encoder({ useBigInt64: true });
+const float = new Encoder({ forceIntegerToFloat: true });
+const decoder = new Decoder({ useBigInt64: true });
+
+export const camel = (name: string): string => name.replace(/_([a-z0-9])/g, (_m, c: string) => c.toUpperCase());
+export const snake = (name: string): string => name.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
+
+/** A map/array header for `n` entries, its width chosen by `most` (msgspec
+ * sizes a Struct's header by its field count, not by the fields present). */
+function header(n: number, small: number, h16: number, h32: number, most = n): Uint8Array {
+  if (most < 16) return Uint8Array.of(small | n);
+  if (most < 0x10000) return Uint8Array.of(h16, n >> 8, n & 0xff);
+  const out = new Uint8Array(5);
+  out[0] = h32;
+  new DataView(out.buffer).setUint32(1, n);
+  return out;
+}
+const mapHeader = (n: number, most: number) => header(n, 0x80, 0xde, 0xdf, most);
+const arrayHeader = (n: number) => header(n, 0x90, 0xdc, 0xdd);
+
+function concat(parts: Uint8Array[]): Uint8Array {
+  const out = new Uint8Array(parts.reduce((n, p) => n + p.length, 0));
+  let at = 0;
+  for (const p of parts) {
+    out.set(p, at);
+    at += p.length;
+  }
+  return out;
+}
+
+function encodeInt(value: unknown): Uint8Array {
+  if (typeof value === "bigint") {
+    const n = Number(value);
+    return Number.isSafeInteger(n) ? plain.encode(n) : big.encode(value);
+  }
+  if (typeof value !== "number" || !Number.isInteger(value)) throw new TypeError(`expected an integer, got ${String(value)}`);
+  if (!Number.isSafeInteger(value)) throw new TypeError(`${value} is beyond 2**53: pass it as a bigint`);
+  return plain.encode(value);
+}
+
+function encodeValue(type: FieldType, value: unknown): Uint8Array {
+  if (type === "int") return encodeInt(value);
+  if (type === "float") {
+    if (typeof value !== "number") throw new TypeError(`expected a number, got ${String(value)}`);
+    return float.encode(value);
+  }
+  if (type === "str") {
+    if (typeof value !== "string") throw new TypeError(`expected a string, got ${String(value)}`);
+    return plain.encode(value);
+  }
+  if (type === "bool") {
+    if (typeof value !== "boolean") throw new TypeError(`expected a boolean, got ${String(value)}`);
+    return plain.encode(value);
+  }
+  if ("list" in type) {
+    if (!Array.isArray(value)) throw new TypeError(`expected an array, got ${String(value)}`);
+    return concat([arrayHeader(value.length), ...value.map((v) => encodeValue(type.list, v))]);
+  }
+  return encodeStruct(type.struct, value as Record<string, unknown>);
+}
+
+function isDefault(value: unknown, dflt: unknown): boolean {
+  if (value === undefined) return true;
+  if (Array.isArray(dflt)) return Array.isArray(value) && value.length === 0 && dflt.length === 0;
+  if (dflt === null) return value === null;
+  return value === dflt || (typeof value === "bigint" && Number(value) === dflt);
+}
+
+/** Encode `obj` (camelCase keys) as the Struct `name` of protocol/messages.py. */
+export function encodeStruct(name: string, obj: Record<string, unknown> | unknown[]): Uint8Array {
+  const table = SCHEMAS[name];
+  if (!table) throw new TypeError(`unknown schema ${name}`);
+  if (table.array) {
+    const values = obj as unknown[];
+    return concat([arrayHeader(table.fields.length), ...table.fields.map((f, i) => encodeValue(f[1], values[i] ?? f[2]))]);
+  }
+  const record = obj as Record<string, unknown>;
+  const parts: Uint8Array[] = [];
+  let count = 0;
+  if (table.tag !== null) {
+    parts.push(plain.encode("type"), plain.encode(table.tag));
+    count++;
+  }
+  for (const field of table.fields) {
+    const [wire, type] = field;
+    const value = record[camel(wire)];
+    if (field.length === 2) {
+      if (value === undefined || value === null) throw new TypeError(`${name}.${camel(wire)} is required`);
+    } else if (isDefault(value, field[2])) {
+      continue;
+    }
+    parts.push(plain.encode(wire), encodeValue(type, value));
+    count++;
+  }
+  return concat([mapHeader(count, table.fields.length + (table.tag === null ? 0 : 1)), ...parts]);
+}
+
+/** Ints msgpack carried as 64-bit come back as bigint: numbers where exact. */
+function normalize(value: unknown): unknown {
+  if (typeof value === "bigint") {
+    const n = Number(value);
+    return Number.isSafeInteger(n) ? n : value;
+  }
+  if (Array.isArray(value)) return value.map(normalize);
+  if (value !== null && typeof value === "object" && !(value instanceof Uint8Array)) {
+    return Object.fromEntries(Object.entries(value).map(([k, v]) => [camel(k), normalize(v)]));
+  }
+  return value;
+}
+
+/** Decode any kvmux body to plain JS (camelCase keys, safe ints as numbers). */
+export function decode(raw: Uint8Array): unknown {
+  return normalize(decoder.decode(raw));
+}
+
+/** The tagged reply Structs by their `type` tag. */
+export const REPLY_TAGS: Record<string, string> = Object.fromEntries(
+  Object.entries(SCHEMAS)
+    .filter(([, t]) => t.tag !== null)
+    .map(([name, t]) => [t.tag as string, name]),
+);
+
+export type EnvelopeTuple = [version: number, op: string, requestId: number, sessionId: string];
+
+export function envelope(op: string, requestId: number, sessionId = ""): Uint8Array {
+  return encodeStruct("Envelope", [PROTOCOL_VERSION, op, requestId, sessionId]);
+}
+
+export function decodeEnvelope(raw: Uint8Array): EnvelopeTuple {
+  const env = decode(raw);
+  if (!Array.isArray(env) || env.length < 3 || typeof env[1] !== "string") throw new TypeError("bad envelope");
+  if (env[0] !== PROTOCOL_VERSION) throw new TypeError(`protocol version ${String(env[0])} not supported`);
+  return [env[0], env[1], Number(env[2]), typeof env[3] === "string" ? env[3] : ""];
+}

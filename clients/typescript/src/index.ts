@@ -1,0 +1,12 @@
+/**
+ * kvmux for Node: `new Client(endpoint)`, `await client.openSession()`,
+ * `for await (const chunk of session.chat("Hi")) ...`. Byte-compatible with
+ * the Python client through the golden vectors in protocol/vectors/.
+ */
+
+export { ChatStream, Client, DEFAULT_CREDIT, DEFAULT_TIMEOUT_MS, Session } from "./client.js";
+export type { AppendOptions, CallOptions, ClientOptions, GenerateOptions, OpenOptions } from "./client.js";
+export { camel, decode, decodeEnvelope, encodeStruct, envelope, snake } from "./codec.js";
+export * from "./errors.js";
+export { defaultFrontend, runtimeDir } from "./paths.js";
+export * from "./schema.js";

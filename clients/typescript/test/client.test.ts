@@ -1,0 +1,120 @@
+// The Node client against a real kvmux stack (broker + worker + model) at
+// KVMUX_ENDPOINT. tests/test_node_client.py starts one and runs this suite;
+// by hand: `kvmux serve --slabs 3` then `KVMUX_ENDPOINT=ipc://... npm test`.
+import assert from "node:assert/strict";
+import { after, before, describe, test } from "node:test";
+import { setTimeout as sleep } from "node:timers/promises";
+
+import {
+  Busy, Cancelled, Client, InvalidArgument, KvmuxError, MalformedFrame, Op, Overloaded, Session,
+  SessionNotFound, Timeout, UnknownOp, type Chunk,
+} from "../src/index.js";
+
+const endpoint = process.env.KVMUX_ENDPOINT;
+
+async function collect(stream: AsyncIterable<Chunk>): Promise<Chunk[]> {
+  const chunks: Chunk[] = [];
+  for await (const chunk of stream) chunks.push(chunk);
+  return chunks;
+}
+
+describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOINT not set" }, () => {
+  let client: Client;
+  before(() => { client = new Client(endpoint, { timeoutMs: 60_000 }); });
+  after(() => client.close());
+
+  test("multi-turn chat", async () => {
+    const session = await client.openSession({ system: "You are terse.", maxTokens: 6 });
+    const first = session.chat("Name a colour.");
+    const chunks = await collect(first);
+    assert.ok(chunks.length > 0 && first.result);
+    assert.equal(first.result.completionTokens, chunks.reduce((n, c) => n + c.tokenIds.length, 0));
+    const second = session.chat("And another?");
+    assert.ok((await second.text()).length > 0 && second.result);
+    assert.ok(second.result.promptTokens > 0 && second.result.promptTokens < first.result.historyTokens);
+    const info = await session.info({ tokenIds: true });
+    assert.equal(info.historyTokens, second.result.historyTokens);
+    assert.equal(info.tokenIds?.length, info.historyTokens);
+    assert.ok(info.kvLiveBytes > 0);
+    await session.close();
+  });
+
+  test("break cancels the generation, then the session continues", async () => {
+    const session = await client.openSession();
+    const stream = session.chat("Write a long story about a dragon.", { maxTokens: 16 });
+    for await (const _ of stream) break;
+    assert.equal(stream.result?.stopReason, "cancelled");
+    assert.ok((stream.result?.completionTokens ?? 16) < 16);
+    const next = session.chat("Shorter.", { maxTokens: 2 });
+    assert.ok((await collect(next)).length > 0);
+    assert.notEqual(next.result?.stopReason, "cancelled");
+    await session.close();
+  });
+
+  test("an AbortSignal cancels mid-stream", async () => {
+    const session = await client.openSession();
+    const controller = new AbortController();
+    const stream = session.chat("Tell me about the sea.", { maxTokens: 16, signal: controller.signal });
+    await assert.rejects(async () => {
+      for await (const _ of stream) controller.abort();
+    }, { name: "AbortError" });
+    const next = session.chat("Thanks.", { maxTokens: 2 });
+    assert.ok((await collect(next)).length > 0);
+    await session.close();
+  });
+
+  test("a slow consumer holds at most `credit` chunks", async () => {
+    const session = await client.openSession();
+    const stream = session.chat("List ten animals.", { maxTokens: 8, credit: 2 });
+    await stream.next();
+    await sleep(1500); // the worker could have produced ~15 tokens meanwhile
+    const buffered = (stream as unknown as { feed: { queue: { items: unknown[] } } }).feed.queue.items.length;
+    assert.ok(buffered <= 2, `${buffered} chunks buffered`);
+    await collect(stream);
+    assert.ok((stream.result?.completionTokens ?? 0) >= 3);
+    await session.close();
+  });
+
+  test("concurrent sessions from one client", async () => {
+    const turn = async (i: number) => {
+      const session = await client.openSession();
+      const stream = session.chat(`Say the number ${i}.`, { maxTokens: 3 });
+      await collect(stream);
+      await session.close();
+      return stream.result;
+    };
+    const results = await Promise.all([turn(1), turn(2)]);
+    assert.ok(results.every((r) => r && r.completionTokens >= 1));
+  });
+
+  test("server conditions raise their error classes", async () => {
+    await assert.rejects(client.openSession({ sink: -1 }), InvalidArgument);
+    const session = await client.openSession();
+    await assert.rejects(session.append({}), InvalidArgument);
+    const stream = session.chat("Describe a forest.", { maxTokens: 16 });
+    await stream.next();
+    const ghost = new Session(client, session.opened); // a second handle on the same id
+    await assert.rejects(ghost.append({ tokenIds: [28] }), Busy);
+    await stream.return();
+    await assert.rejects(client.call("teleport", "", "Ping", {}), UnknownOp);
+    await assert.rejects(client.call(Op.STATS, "", "Envelope", [1, "x", 1, ""]), MalformedFrame);
+
+    const appending = session.append({ tokenIds: Array.from({ length: 600 }, (_, i) => 1000 + i) });
+    await sleep(300);
+    await session.cancel();
+    await assert.rejects(appending, Cancelled);
+
+    await session.close();
+    await assert.rejects(ghost.info(), (err: KvmuxError) => err instanceof SessionNotFound && err.code === "session_not_found");
+
+    const held: Session[] = [];
+    await assert.rejects(async () => {
+      for (let i = 0; i < 16; i++) held.push(await client.openSession());
+    }, (err: KvmuxError) => err instanceof Overloaded && err.reason === "no_slab");
+    await Promise.all(held.map((s) => s.close()));
+
+    const dead = new Client("ipc:///tmp/kvmux-nobody-here.ipc", { timeoutMs: 300 });
+    await assert.rejects(dead.ping(), Timeout);
+    await dead.close();
+  });
+});

@@ -1,0 +1,51 @@
+// Golden vectors shared with the Python suite (tests/test_vectors.py): each
+// one decodes and re-encodes to the same bytes, and its JSON value encodes
+// to them too. protocol/vectors/ lives two folders up in the repository.
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { test } from "node:test";
+import { fileURLToPath } from "node:url";
+
+import { camel, decode, encodeStruct, ERROR_CODES, ERRORS, SCHEMAS } from "../src/index.js";
+
+const here = dirname(fileURLToPath(import.meta.url));
+const VECTORS = process.env.KVMUX_VECTORS ?? join(here, "..", "..", "..", "..", "protocol", "vectors");
+
+interface Vector { name: string; file: string; schema: string; value: unknown }
+const manifest = JSON.parse(readFileSync(join(VECTORS, "manifest.json"), "utf8")) as { vectors: Vector[] };
+
+/** The manifest's JSON form -> the client's: camelCase keys, {"$bigint"} -> bigint. */
+function fromJson(value: unknown): unknown {
+  if (Array.isArray(value)) return value.map(fromJson);
+  if (value !== null && typeof value === "object") {
+    const record = value as Record<string, unknown>;
+    if (Object.keys(record).length === 1 && typeof record.$bigint === "string") return BigInt(record.$bigint);
+    return Object.fromEntries(Object.entries(record).map(([k, v]) => [camel(k), fromJson(v)]));
+  }
+  return value;
+}
+
+test("the manifest covers every schema with a wire form", () => {
+  const covered = new Set(manifest.vectors.map((v) => v.schema));
+  for (const name of Object.keys(SCHEMAS)) {
+    if (!["ChatMessage", "Sampling", "WorkerStats"].includes(name)) assert.ok(covered.has(name), name);
+  }
+  assert.deepEqual(Object.keys(ERRORS).sort(), [...ERROR_CODES].sort());
+});
+
+for (const vector of manifest.vectors) {
+  test(`vector ${vector.name}`, () => {
+    const raw = new Uint8Array(readFileSync(join(VECTORS, vector.file)));
+    const decoded = decode(raw);
+    const expected = fromJson(vector.value);
+    assert.deepEqual(decoded, expected);
+    assert.deepEqual(encodeStruct(vector.schema, decoded as Record<string, unknown>), raw, "decode -> encode");
+    assert.deepEqual(encodeStruct(vector.schema, expected as Record<string, unknown>), raw, "JSON value -> encode");
+  });
+}
+
+test("an integral float stays a float64", () => {
+  const bytes = encodeStruct("Generate", { temperature: 1 });
+  assert.deepEqual([...bytes.subarray(-9)], [0xcb, 0x3f, 0xf0, 0, 0, 0, 0, 0, 0]);
+});

@@ -1,0 +1,30 @@
+// Kills the stack's worker (its pid from STATS) mid-generation: the stream
+// fails with WorkerLost within three heartbeat intervals. Destructive: it
+// runs only where KVMUX_KILL_WORKER=1 (tests/test_node_client.py sets it).
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import { Client, HEARTBEAT_INTERVAL_S, SessionNotFound, WorkerLost } from "../src/index.js";
+
+const endpoint = process.env.KVMUX_ENDPOINT;
+
+test("a killed worker fails the stream with WorkerLost", { skip: endpoint && process.env.KVMUX_KILL_WORKER === "1" ? false : "needs KVMUX_ENDPOINT and KVMUX_KILL_WORKER=1" }, async () => {
+  const client = new Client(endpoint, { timeoutMs: 30_000 });
+  try {
+    const session = await client.openSession();
+    const stream = session.chat("Tell me a long story.", { maxTokens: 16 });
+    await stream.next();
+    const { workers } = await client.stats();
+    const worker = workers.find((w) => w.workerId === session.opened.workerId);
+    assert.ok(worker, "the session's worker is in STATS");
+    process.kill(worker.pid, "SIGKILL");
+    const killed = Date.now();
+    await assert.rejects(async () => {
+      for await (const _ of stream);
+    }, WorkerLost);
+    assert.ok(Date.now() - killed < (3 * HEARTBEAT_INTERVAL_S + 1) * 1000);
+    await assert.rejects(session.info(), SessionNotFound);
+  } finally {
+    await client.close();
+  }
+});

@@ -1,0 +1,63 @@
+"""Runs the Node client's `node --test` suite (clients/typescript) against a
+real stack, with a Python client chatting on the same daemon at the same
+time; then its destructive worker-lost test on its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvmux.client import Client
+
+PACKAGE = Path(__file__).resolve().parent.parent / "clients" / "typescript"
+NODE_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def node_package() -> Path:
+    if not (shutil.which("node") and shutil.which("npm")):
+        pytest.skip("node/npm not installed")
+    if not (PACKAGE / "node_modules").is_dir():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=PACKAGE, check=True)
+    subprocess.run(["npm", "run", "--silent", "build"], cwd=PACKAGE, check=True)
+    return PACKAGE
+
+
+def node_test(package: Path, files: list[str], endpoint: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["node", "--test", "--test-concurrency=1", "--test-reporter=spec", *files],
+        cwd=package,
+        env={**os.environ, "KVMUX_ENDPOINT": endpoint, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_node_suite_beside_a_python_client(stack_factory, node_package):
+    stack = stack_factory(workers=1, slabs=3)
+    with Client(stack.frontend, timeout=60) as client, client.open_session() as session:
+        node = node_test(node_package, ["dist/test/vectors.test.js", "dist/test/client.test.js"], stack.frontend)
+        overlapping_turns = 0
+        try:
+            while node.poll() is None and overlapping_turns < 3:
+                stream = session.chat("Say something short.", max_tokens=4)
+                assert len(list(stream)) >= 1 and stream.result.completion_tokens >= 1
+                overlapping_turns += node.poll() is None
+            output, _ = node.communicate(timeout=NODE_TIMEOUT_S)
+        finally:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+        assert node.returncode == 0, f"{output}\n{stack.logs()}"
+        assert "# fail 0" in output or "ℹ fail 0" in output, output
+        assert "skipped 0" in output, output  # the stack tests really ran
+        assert overlapping_turns >= 1, "the Python client finished no turn while Node ran"
+
+    lost = node_test(node_package, ["dist/test/worker-lost.test.js"], stack.frontend, KVMUX_KILL_WORKER="1")
+    output, _ = lost.communicate(timeout=NODE_TIMEOUT_S)
+    assert lost.returncode == 0 and "skipped 0" in output, f"{output}\n{stack.logs()}"
