@@ -8,7 +8,9 @@ MLX has a GPU the quantized weights are kept.
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,11 +74,33 @@ def _scalar(meta: dict, key: str):
 
 
 def _gguf_tokenizer(path: Path):
+    """transformers rebuilds the HF tokenizer (and its chat template) from the
+    GGUF metadata, which takes seconds; the result is cached on disk, keyed by
+    the file's size and mtime, so later worker starts load it in a blink."""
     from transformers import AutoTokenizer
 
-    # transformers rebuilds the HF tokenizer (and its chat template) from the
-    # GGUF metadata; it needs the `gguf` package, not the network.
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    stat = path.stat()
+    cached = tokenizer_cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=_ensure_dir(cached.parent)))
+        tokenizer.save_pretrained(str(staging))
+        staging.rename(cached)  # atomic: a worker starting beside us sees all or nothing
+    except OSError as exc:  # read-only home, or another worker won the race
+        log.debug("tokenizer_cache_skipped", reason=str(exc))
+    return tokenizer
+
+
+def tokenizer_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvmux" / "tokenizers"
+
+
+def _ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:

@@ -1,0 +1,1 @@
+"""kvmux benches: the long-session soak and the perf ratios (`kvmux bench ...`)."""

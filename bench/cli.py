@@ -1,0 +1,143 @@
+"""`kvmux bench soak | perf | report`. Heavy imports (matplotlib, MLX,
+transformers) happen inside the commands."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+bench_app = typer.Typer(help="Soak and performance benches; each writes a JSON report and a PNG plot.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
+
+
+def _print_summary(title: str, summary: dict | None, error: str | None) -> None:
+    typer.echo(f"{title}:")
+    if error:
+        typer.echo(f"  ERROR: {error}")
+        return
+    for key, value in (summary or {}).items():
+        typer.echo(f"  {key}: {round(value, 4) if isinstance(value, float) else value}")
+
+
+@bench_app.command()
+def soak(
+    turns: Optional[int] = typer.Option(100, help="Turns per session (0: until --duration-s)."),
+    duration_s: Optional[float] = typer.Option(None, help="Stop after this many seconds, whatever the turn count."),
+    turn_spacing_s: float = typer.Option(0.0, help="Pause between a session's turns."),
+    sessions: int = typer.Option(1, help="Concurrent sessions."),
+    max_tokens: int = typer.Option(16, help="Reply length per turn."),
+    window: int = typer.Option(256, help="Session window (tokens kept after the sink)."),
+    sink: Optional[int] = typer.Option(None, help="Session sink (default: the worker's)."),
+    system: Optional[str] = typer.Option(None, help="System prompt (default: the chat template's)."),
+    baseline: Optional[str] = typer.Option(None, help="'reprefill': also run each turn as a stateless server would."),
+    baseline_every: int = typer.Option(1, help="Run the baseline on every Nth turn only."),
+    baseline_context: Optional[int] = typer.Option(None, help="Tokens of history the baseline re-sends at most (default: sink + window)."),
+    endpoint: Optional[str] = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    spawn: bool = typer.Option(False, "--spawn", help="Start a private `kvmux serve` for this run."),
+    model: Optional[str] = typer.Option(None, help="With --spawn: the model (default: embedded SmolLM2)."),
+    output: Path = typer.Option(Path("soak.json"), help="Report path; the plot goes next to it (.png)."),
+    checkpoint_s: float = typer.Option(10.0, help="Rewrite the report at least this often."),
+    timeout_s: float = typer.Option(120.0, help="Per-call client timeout."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Walk sessions through many turns and check latency, prefill and KV/RSS stay flat."""
+    from kvmux import logs, paths
+
+    from . import plot, spawn as spawn_mod
+    from .soak import Soak, SoakConfig
+    from .summary import verdicts_pass
+
+    logs.configure()
+    if baseline not in (None, "reprefill"):
+        raise typer.BadParameter("only 'reprefill' is supported", param_hint="--baseline")
+    slabs = sessions + (1 if baseline else 0)
+    with spawn_mod.serve(workers=1, slabs=slabs, model=model) if spawn else contextlib.nullcontext(endpoint or paths.default_frontend()) as ep:
+        cfg = SoakConfig(
+            endpoint=ep, turns=turns or None, duration_s=duration_s, turn_spacing_s=turn_spacing_s, sessions=sessions,
+            max_tokens=max_tokens, window=window, sink=sink, system=system, baseline=baseline,
+            baseline_every=baseline_every, baseline_context=baseline_context, timeout_s=timeout_s,
+        )
+        doc = Soak(cfg, output, checkpoint_s=checkpoint_s, progress=progress).run()
+    png = plot.plot_soak(doc, output.with_suffix(".png"))
+    _print_summary("summary", doc["summary"], doc["summary_error"])
+    if doc.get("baseline"):
+        _print_summary("baseline summary (reprefill)", doc["baseline"]["summary"], doc["baseline"]["summary_error"])
+    typer.echo(f"report: {output}\nplot: {png}")
+    if doc["summary_error"] or not verdicts_pass(doc["summary"]):
+        raise typer.Exit(1)
+
+
+@bench_app.command()
+def perf(
+    model: Optional[str] = typer.Option(None, help="GGUF file or mlx-lm directory (default: embedded SmolLM2)."),
+    decode_tokens: int = typer.Option(48, help="Tokens per decode measurement."),
+    window: int = typer.Option(256, help="Session window (and the bare cache's size, plus the sink)."),
+    sink: int = typer.Option(4, help="Session sink."),
+    sessions: str = typer.Option("1,2,4,8", help="Concurrent session counts for sessions_throughput."),
+    session_tokens: int = typer.Option(24, help="Tokens each concurrent session generates."),
+    prefill_tokens: int = typer.Option(256, help="Prompt length for the prefill comparison."),
+    repeats: int = typer.Option(2, help="Runs per measurement; the best is kept."),
+    round_trips: int = typer.Option(2000, help="Round trips per broker_overhead path."),
+    transformers: bool = typer.Option(True, help="Compare with transformers/PyTorch where torch is installed."),
+    output: Path = typer.Option(Path("perf.json"), help="Report path; the plot goes next to it (.png)."),
+) -> None:
+    """Measure the runtime against the bare model: decode, broker hops, concurrency, transformers."""
+    from kvmux import logs
+    from kvmux.worker.preload import ensure_preloaded
+
+    ensure_preloaded()  # the bare model must run with the worker's BLAS (re-execs once)
+    logs.configure()
+    from . import plot
+    from .perf import PerfConfig, run
+
+    cfg = PerfConfig(
+        model=model, decode_tokens=decode_tokens, window=window, sink=sink,
+        sessions=tuple(int(n) for n in sessions.split(",")), session_tokens=session_tokens,
+        prefill_tokens=prefill_tokens, repeats=repeats, round_trips=round_trips, transformers=transformers,
+    )
+    doc = run(cfg, output)
+    png = plot.plot_perf(doc, output.with_suffix(".png"))
+    typer.echo(json.dumps(doc["ratios"], indent=1))
+    typer.echo(f"report: {output}\nplot: {png}")
+
+
+@bench_app.command()
+def report(
+    paths_: list[Path] = typer.Argument(..., metavar="REPORT...", help="Soak or perf report JSON files."),
+    write: bool = typer.Option(False, "--write", help="Store the recomputed summary back into the report."),
+    plot_: bool = typer.Option(False, "--plot", help="(Re)draw the PNG next to each report."),
+) -> None:
+    """Recompute and print the summary of reports (an interrupted run's too);
+    exit 1 if any soak fails a verdict or its KV series is unusable."""
+    from . import plot
+    from .report import load, write_json_atomic
+    from .summary import SeriesError, summarize, verdicts_pass
+
+    failed = False
+    for path in paths_:
+        doc = load(path)
+        if doc.get("bench") == "perf":
+            typer.echo(f"{path}: perf ratios\n{json.dumps(doc.get('ratios'), indent=1)}")
+            if plot_:
+                plot.plot_perf(doc, path.with_suffix(".png"))
+            continue
+        for block in filter(None, (doc, doc.get("baseline"))):
+            try:
+                block["summary"], block["summary_error"] = summarize(block["turns"]), None
+            except SeriesError as exc:
+                block["summary"], block["summary_error"] = None, str(exc)
+        _print_summary(f"{path} (status {doc.get('status')})", doc["summary"], doc["summary_error"])
+        failed |= bool(doc["summary_error"]) or not verdicts_pass(doc["summary"])
+        if write:
+            write_json_atomic(path, doc)
+        if plot_:
+            plot.plot_soak(doc, path.with_suffix(".png"))
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,216 @@
+"""`kvmux bench perf`: the runtime's cost over the bare model, measured side
+by side in one run on the same model.
+
+- stack_vs_bare_decode: decode tokens/s of a stream through client -> broker
+  -> worker, against mlx-lm's `generate_step` in this process on the model
+  object the worker loads, with the same cache kind and the same prompt
+  tokens (this process has OpenBLAS preloaded the way the worker has).
+- broker_overhead: see roundtrip.py; ipc and tcp.
+- sessions_throughput: aggregate generated tokens/s of 1, 2, 4, 8 concurrent
+  sessions, relative to 1.
+- vs_transformers: prefill and decode tokens/s of the worker's engine (the
+  timings its replies carry) against transformers/PyTorch CPU on the same
+  GGUF and the same prompt tokens, where torch is installed.
+
+Each measurement is the best of `repeats` (the cores are shared: the best
+run is the one least disturbed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvmux import logs
+from kvmux.client import Client
+
+from . import bare, hf, roundtrip, spawn
+from .report import ReportWriter
+
+log = logs.get("bench")
+
+STORY = "Write a long story about a dragon who learns to bake bread in a small mountain village."
+PASSAGE = (
+    "The river rose in the spring and the village moved its boats up the bank. Children counted the "
+    "herons, the miller checked his wheel, and the old bridge creaked under carts of grain. "
+)
+
+
+@dataclass
+class PerfConfig:
+    model: str | None = None
+    decode_tokens: int = 48
+    window: int = 256
+    sink: int = 4
+    sessions: tuple[int, ...] = (1, 2, 4, 8)
+    session_tokens: int = 24
+    prefill_tokens: int = 256
+    repeats: int = 2
+    round_trips: int = 2000
+    pipelined_frames: int = 20000
+    transformers: bool = True
+    timeout_s: float = 300.0
+
+
+def _stream_decode(session, max_tokens: int) -> dict:
+    """Time one generate stream on the client: first chunk to last chunk."""
+    stamps, tokens = [], []
+    stream = session.generate(max_tokens=max_tokens)
+    for chunk in stream:
+        stamps.append(time.perf_counter())
+        tokens.append(len(chunk.token_ids))
+    result = stream.result
+    after_first = sum(tokens) - tokens[0]
+    return {
+        "completion_tokens": result.completion_tokens,
+        "decode_tokens_per_s": after_first / (stamps[-1] - stamps[0]) if after_first else None,
+        "worker_decode_tokens_per_s": result.completion_tokens / result.decode_s if result.decode_s else None,
+        "worker_prefill_s": result.prefill_s,
+    }
+
+
+def stack_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dict:
+    runs = []
+    for _ in range(cfg.repeats):
+        with client.open_session(sink=cfg.sink, window=cfg.window) as session:
+            session.append(token_ids=prompt_ids)
+            run = _stream_decode(session, cfg.decode_tokens)
+            run["token_ids"] = session.info(token_ids=True).token_ids[len(prompt_ids):]
+            runs.append(run)
+    return max(runs, key=lambda r: r["decode_tokens_per_s"] or 0.0)
+
+
+def sessions_throughput(client: Client, cfg: PerfConfig) -> dict:
+    rows = []
+    for n in cfg.sessions:
+        best = None
+        for _ in range(cfg.repeats):
+            sessions = [client.open_session(sink=cfg.sink, window=cfg.window) for _ in range(n)]
+            for s in sessions:  # prefill outside the clock: this times generation only
+                s.append([{"role": "user", "content": STORY}])
+            counts = [0] * n
+            barrier = threading.Barrier(n + 1)
+
+            def run(i: int) -> None:
+                barrier.wait()
+                stream = sessions[i].generate(max_tokens=cfg.session_tokens)
+                for _ in stream:
+                    pass
+                counts[i] = stream.result.completion_tokens
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join()
+            elapsed = time.perf_counter() - t0
+            for s in sessions:
+                s.close()
+            row = {"sessions": n, "tokens": sum(counts), "wall_s": elapsed, "tokens_per_s": sum(counts) / elapsed}
+            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+                best = row
+        rows.append(best)
+    one = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["relative_to_1"] = row["tokens_per_s"] / one
+    return {"session_tokens": cfg.session_tokens, "runs": rows}
+
+
+def engine_prefill_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dict:
+    """The worker engine's own timings (from its replies) for a long prompt."""
+    best: dict = {}
+    for _ in range(cfg.repeats):
+        with client.open_session(sink=cfg.sink, window=len(prompt_ids) + cfg.decode_tokens + 8) as session:
+            appended = session.append(token_ids=prompt_ids)
+            stream = session.generate(max_tokens=cfg.decode_tokens)
+            for _ in stream:
+                pass
+            result = stream.result
+        prefill = appended.new_tokens / appended.prefill_s
+        decode = result.completion_tokens / result.decode_s if result.decode_s else 0.0
+        best["prefill_tokens_per_s"] = max(best.get("prefill_tokens_per_s", 0.0), prefill)
+        best["decode_tokens_per_s"] = max(best.get("decode_tokens_per_s", 0.0), decode)
+        best["prompt_tokens"], best["decode_tokens"] = appended.new_tokens, result.completion_tokens
+    return {"engine": "kvmux worker (MLX)", **best}
+
+
+def run(cfg: PerfConfig, output: Path) -> dict:
+    from kvmux.worker import model as model_mod
+
+    writer = ReportWriter(output, "perf", asdict(cfg), every_s=0.0)
+    doc = writer.doc
+    steps = tqdm(total=6, desc="perf", unit="step")
+    loaded = model_mod.load(cfg.model)
+    doc["model"] = loaded.model_id
+    from kvmux.worker.preload import preloaded
+
+    doc["bench_process_openblas"] = preloaded()
+    tok = loaded.tokenizer
+    story_ids = list(tok.apply_chat_template([{"role": "user", "content": STORY}], add_generation_prompt=True))
+    long_ids = tok.encode(PASSAGE * (cfg.prefill_tokens // 20 + 1), add_special_tokens=False)[: cfg.prefill_tokens]
+    slabs = max(cfg.sessions) + 1
+    with spawn.serve(workers=1, slabs=slabs, model=cfg.model) as frontend:
+        with Client(frontend, timeout=cfg.timeout_s) as client:
+            worker = client.stats().workers[0]
+            doc["worker_openblas"] = preloaded(worker.pid)
+            doc["stack_decode"] = stack_decode(client, story_ids, cfg)
+            steps.update()
+            writer.write()
+            doc["sessions_throughput"] = sessions_throughput(client, cfg)
+            steps.update()
+            writer.write()
+            doc["engine"] = engine_prefill_decode(client, long_ids, cfg)
+            steps.update()
+            writer.write()
+        ipc_direct = frontend.rsplit("/", 1)[0] + "/direct.ipc"
+        doc["broker_overhead"] = {"ipc": roundtrip.measure(frontend, ipc_direct, n=cfg.round_trips, total=cfg.pipelined_frames)}
+    steps.update()
+    writer.write()
+    with spawn.serve(workers=1, slabs=1, model=cfg.model, transport="tcp") as frontend:
+        doc["broker_overhead"]["tcp"] = roundtrip.measure(frontend, spawn.tcp_endpoint(), n=cfg.round_trips, total=cfg.pipelined_frames)
+    steps.update()
+    writer.write()
+    # The bare model runs after the stack has stopped, so neither disturbs the other.
+    doc["bare_decode"] = bare.measure(loaded, story_ids, cfg.decode_tokens, cfg.sink, cfg.window, cfg.repeats)
+    doc["bare_decode"]["same_tokens_as_stack"] = doc["bare_decode"]["token_ids"] == doc["stack_decode"]["token_ids"]
+    del loaded
+    if cfg.transformers and hf.available():
+        doc["transformers"] = hf.run_subprocess(str(cfg.model or _default_model()), long_ids, cfg.decode_tokens, cfg.repeats)
+    else:
+        doc["transformers"] = None
+    steps.update()
+    steps.close()
+    doc["ratios"] = ratios(doc)
+    writer.write("complete")
+    return doc
+
+
+def _default_model() -> Path:
+    from kvmux.paths import default_model_path
+
+    return default_model_path()
+
+
+def ratios(doc: dict) -> dict:
+    """The headline numbers, each >1 where kvmux is faster / costs more."""
+    out = {
+        "stack_vs_bare_decode": doc["stack_decode"]["decode_tokens_per_s"] / doc["bare_decode"]["decode_tokens_per_s"],
+    }
+    for transport, r in doc["broker_overhead"].items():
+        out[f"broker_rtt_p50_vs_direct_{transport}"] = r["broker_ping"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
+        out[f"broker_rtt_p99_vs_direct_{transport}"] = r["broker_ping"]["round_trip"]["p99_us"] / r["direct"]["round_trip"]["p99_us"]
+        out[f"broker_frames_per_s_vs_direct_{transport}"] = r["broker_ping"]["pipelined"]["frames_per_s"] / r["direct"]["pipelined"]["frames_per_s"]
+        if "forwarded_info" in r:
+            out[f"forwarded_rtt_p50_vs_direct_{transport}"] = r["forwarded_info"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
+    for row in doc["sessions_throughput"]["runs"]:
+        out[f"sessions_{row['sessions']}_throughput_vs_1"] = row["relative_to_1"]
+    if doc.get("transformers"):
+        out["vs_transformers_prefill"] = doc["engine"]["prefill_tokens_per_s"] / doc["transformers"]["prefill_tokens_per_s"]
+        out["vs_transformers_decode"] = doc["engine"]["decode_tokens_per_s"] / doc["transformers"]["decode_tokens_per_s"]
+    return out

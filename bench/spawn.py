@@ -1,0 +1,68 @@
+"""`--spawn`: a bench starts its own daemon (`kvmux serve`, broker plus local
+workers) on private endpoints, waits until its workers have registered, and
+stops it (SIGTERM, the daemon's own drain) when the bench ends."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from kvmux.client import Client, KvmuxError
+
+READY_TIMEOUT_S = 180.0  # model load on 2 busy cores
+
+
+def tcp_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def serve(*, workers: int = 1, slabs: int = 4, model: str | None = None, transport: str = "ipc") -> Iterator[str]:
+    """Yield the frontend endpoint of a fresh `kvmux serve`."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))  # short: ipc paths are limited
+    if transport == "ipc":
+        frontend, backend = f"ipc://{tmp}/f.ipc", f"ipc://{tmp}/b.ipc"
+    else:
+        frontend, backend = tcp_endpoint(), tcp_endpoint()
+    cmd = [sys.executable, "-m", "kvmux.cli", "serve", "--frontend", frontend, "--backend", backend]
+    cmd += ["--workers", str(workers), "--slabs", str(slabs)] + (["--model", model] if model else [])
+    log_path = tmp / "serve.log"  # its tail goes into the error if the daemon fails to start
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready(proc, frontend, workers, log_path)
+        yield frontend
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_ready(proc: subprocess.Popen, frontend: str, workers: int, log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with Client(frontend, timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvmux serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                if len(client.stats().workers) >= workers:
+                    return
+            except KvmuxError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(f"kvmux serve: {workers} workers not ready in {READY_TIMEOUT_S}s: {log_path.read_text()[-2000:]}")
