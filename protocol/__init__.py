@@ -1,6 +1,6 @@
 """kvmux wire contract, protocol v1 (depends on msgspec only)."""
 
-from .codec import (
+from .codec import (  # noqa: F401  (the package re-exports its API)
     DEFAULT_MAX_FRAME_BYTES,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
@@ -19,5 +19,5 @@ from .codec import (
     envelope,
     error_body,
 )
-from .errors import ErrorCode, OverloadReason
+from .errors import ErrorCode, OverloadReason  # noqa: F401
 from .messages import *  # noqa: F401,F403  (the message Structs are the API)

@@ -151,6 +151,25 @@ def test_three_concurrent_sessions_progress_together(client):
     assert max(a[0] for a in arrivals.values()) < min(a[-1] for a in arrivals.values())
 
 
+def test_sessions_decoding_together_give_the_tokens_they_give_alone(client):
+    """Concurrent decode steps run as one batched forward pass; each session
+    still gets exactly its greedy tokens (different windows and lengths)."""
+    prompts = ["Why is the sky blue?", "Name three fruits.", "What is 12 times 12?", "Describe a cat in one line."]
+
+    def reply(i):
+        with client.open_session(window=64 + 32 * i) as session:
+            return run(session.chat(prompts[i], max_tokens=12))[1]
+
+    alone = [reply(i) for i in range(len(prompts))]
+    together: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, reply(i))) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [together[i] for i in range(len(prompts))] == alone
+
+
 def test_stop_string_ends_the_reply_and_is_not_sent(client):
     with client.open_session() as session:
         text, _ids, result = run(session.chat("What is the capital of France?", max_tokens=24, stop=["Paris"]))

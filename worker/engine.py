@@ -2,7 +2,8 @@
 decode on a session's own slab.
 
 Both are generators that yield at every chunk or token boundary, so the
-scheduler can interleave sessions and honour a cancel at the next boundary.
+scheduler can interleave sessions, batch their decode steps, and honour a
+cancel at the next boundary.
 A session's invariant: its slab holds every history token, and `logits` are
 the model's output after the last one, so a generate may start sampling at
 once and a cancelled or finished generation leaves nothing half-fed.
@@ -20,6 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from kvmux.protocol import ErrorCode, ProtocolError, Sampling
 
+from . import batch
 from .conversation import Conversation
 from .model import LoadedModel
 from .slab import SlabCache, live_bytes, make_slab
@@ -62,6 +64,15 @@ class GenerationParams:
 
 
 @dataclass
+class Feed:
+    """A decode step's ask: feed `token` (a lazy 1-element array) into the
+    session's slab and send back the logits that follow it."""
+
+    session: Session
+    token: mx.array
+
+
+@dataclass
 class Decoded:
     """What one decode step produced: the token and the text now safe to send."""
 
@@ -77,6 +88,7 @@ class Engine:
         self.max_sink = max_sink
         self.max_window = max_window
         self.eos = set(self.tokenizer.eos_token_ids)
+        self.batching = batch.supports_batching(self.model)
 
     # ------------------------------------------------------------ sessions
 
@@ -158,12 +170,14 @@ class Engine:
             del session.pending[: len(chunk)]
             yield
 
-    def decode(self, session: Session, params: GenerationParams, emit: Callable[[Decoded], None], should_stop: Callable[[], bool]) -> Iterator[None]:
-        """Sample up to max_tokens tokens, feeding each one into the slab.
+    def decode(self, session: Session, params: GenerationParams, emit: Callable[[Decoded], None], should_stop: Callable[[], bool]):
+        """Sample up to max_tokens tokens, each fed into the slab.
 
-        Yields at each token boundary; returns (stop reason, generated text).
-        The next step is computed asynchronously while this one's token is
-        detokenized and sent, as mlx-lm's generate_step does.
+        A coroutine: it yields a `Feed` per token and is sent back the logits
+        that follow it, so the scheduler can run one forward pass for every
+        session decoding at that moment (`feed`). Returns (stop reason,
+        generated text). As in mlx-lm's generate_step, the next token is
+        computed asynchronously while this one is detokenized and sent.
         """
         if session.logits is None:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
@@ -179,7 +193,7 @@ class Engine:
         stops = StopMatcher(params.stop)
         y = sample(session.logits, 0)
         for step in range(params.max_tokens):
-            logits = self._forward(session, y)
+            logits = yield Feed(session, y)
             y_next = sample(logits, step + 1)
             mx.async_eval(y_next)
             token = y.item()
@@ -201,7 +215,14 @@ class Engine:
                 session.logits = logits
                 return reason, detok.text
             y = y_next
-            yield
+
+    def feed(self, feeds: list[Feed]) -> list[mx.array]:
+        """The logits after each feed's token, in one batched pass where the
+        model allows it (lazy: computed when a session samples from them)."""
+        if len(feeds) > 1 and self.batching:
+            logits = batch.forward(self.model, mx.concatenate([f.token for f in feeds]), [f.session.slab for f in feeds])
+            return [logits[i : i + 1] for i in range(len(feeds))]
+        return [self._forward(f.session, f.token) for f in feeds]
 
 
 class StopMatcher:

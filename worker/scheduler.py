@@ -1,13 +1,14 @@
 """The compute thread: owns the model, the slab pool and the sessions, serves
 requests that the I/O thread passes over an inproc socket, and steps every
 running job one token (or prefill chunk) at a time, round robin, so sessions
-progress together and a cancel lands at the next boundary."""
+progress together and a cancel lands at the next boundary. The decode steps
+of a round run as one batched forward pass."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Generator
 
 import mlx.core as mx
 import zmq
@@ -16,7 +17,7 @@ from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError
 
-from .engine import Decoded, Engine, Session
+from .engine import Decoded, Engine, Feed, Session
 from .slab import SlabPool
 
 log = logs.get("worker.scheduler")
@@ -31,7 +32,9 @@ class Job:
     session: Session
     route: bytes
     request_id: int
-    steps: Iterator[None] | None = None
+    steps: Generator | None = None
+    feed: Feed | None = None  # what the job asked for at its last boundary
+    logits: mx.array | None = None  # the answer, sent into `steps` when it resumes
     cancelled: bool = False
     window: int = 0  # Generate.credit; 0 = no flow control
     outstanding: int = 0  # chunks sent minus credits returned
@@ -68,13 +71,21 @@ class Scheduler:
             while self.pipe.poll(timeout):
                 self.dispatch(self.pipe.recv_multipart())
                 timeout = 0
-            for job in runnable:
-                if self.jobs.get(job.session.id) is job:
-                    self.step(job)
+            feeding = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
+            if feeding:
+                # One forward pass for every session that is decoding now.
+                for job, logits in zip(feeding, self.engine.feed([job.feed for job in feeding])):
+                    job.logits = logits
 
-    def step(self, job: Job) -> None:
+    def step(self, job: Job) -> bool:
+        """Resume a job up to its next boundary; True if it asks for a Feed."""
+        job.feed = None
         try:
-            next(job.steps)
+            out = job.steps.send(job.logits)
+            job.logits = None
+            if isinstance(out, Feed):
+                job.feed = out
+                return True
         except StopIteration:
             self.finish(job)
         except ProtocolError as exc:
@@ -84,6 +95,7 @@ class Scheduler:
             log.exception("job_failed", session=job.session.id)
             self.finish(job)
             self.error(job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return False
 
     def finish(self, job: Job) -> None:
         del self.jobs[job.session.id]
@@ -223,10 +235,11 @@ class Scheduler:
                 reason, text = yield from self.engine.decode(session, params, lambda d: emit(job, d), lambda: job.cancelled)
                 decode_s = time.perf_counter() - started
                 completion = len(session.history) - before
-            if chat:
+            if chat and job.close_after is None:
                 # Close the assistant turn as the template renders it, so the
-                # next message continues a canonical history. After a cancel
-                # inside the prefill the closing tokens just stay queued.
+                # next message continues a canonical history (pointless when
+                # a close waits). After a cancel inside the prefill the
+                # closing tokens just stay queued.
                 generated = text + (self.engine.tokenizer.decode(session.history[-1:]) if reason == "eos" else "")
                 session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
                 if reason != "cancelled" or completion:

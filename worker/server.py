@@ -56,17 +56,17 @@ class Worker:
 
     # ------------------------------------------------------------ compute
 
-    def _compute(self, error: list) -> None:
-        import mlx.core as mx
-
-        from .engine import Engine
-        from .model import load
-        from .scheduler import Scheduler
-        from .slab import SlabPool
-
+    def _compute(self) -> None:
         pipe = self.ctx.socket(zmq.PAIR)
         pipe.connect(PIPE)
         try:
+            import mlx.core as mx
+
+            from .engine import Engine
+            from .model import load
+            from .scheduler import Scheduler
+            from .slab import SlabPool
+
             # MLX streams belong to the thread that made them.
             mx.set_default_stream(mx.new_stream(mx.default_device()))
             loaded = load(self.config.model)
@@ -80,8 +80,7 @@ class Worker:
             ))  # fmt: skip
             pipe.send(b"loaded")
             self.scheduler.run(self.stop)
-        except BaseException as exc:
-            error.append(exc)
+        except BaseException:
             log.exception("compute_failed")
             pipe.send(b"failed")
         finally:
@@ -107,8 +106,7 @@ class Worker:
     def run(self) -> int:
         pipe = self.ctx.socket(zmq.PAIR)
         pipe.bind(PIPE)
-        errors: list = []
-        compute = threading.Thread(target=self._compute, args=(errors,), name="kvmux-compute", daemon=True)
+        compute = threading.Thread(target=self._compute, name="kvmux-compute", daemon=True)
         compute.start()
         if pipe.recv() != b"loaded":
             return 1

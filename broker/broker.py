@@ -1,0 +1,580 @@
+"""The broker: one poll loop over two ROUTER sockets.
+
+Clients (DEALER) talk to the frontend, workers (DEALER) to the backend.
+Requests for a session go to the worker holding its slab; replies go back
+to the client route they came from. Both ROUTERs are ROUTER_MANDATORY, so a
+frame to a vanished peer raises instead of vanishing: a gone worker fails its
+requests with `worker_lost`, a gone client has its generations cancelled and
+its sessions closed by requests the broker makes itself (route b"").
+Sends never block: a client whose pipe is full gets a bounded backlog, and
+past it its streams are cancelled with a typed error (docs/operations.md)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
+import zmq
+from kvmux.protocol import (
+    PROTOCOL_VERSION,
+    REPLY_OPS,
+    SESSION_OPS,
+    Ack,
+    BrokerStats,
+    Cancel,
+    Close,
+    Disconnect,
+    ErrorCode,
+    Op,
+    OverloadReason,
+    Pong,
+    ProtocolError,
+    WorkerStats,
+    decode_body,
+    decode_envelope,
+    decode_reply,
+    encode,
+    envelope,
+    error_body,
+)
+
+from kvmux import logs
+
+from . import endpoints
+from .admission import Admission, PendingOpen, Refusal
+from .config import BrokerConfig
+from .registry import Registry, Request, Session, Worker
+
+log = logs.get("broker")
+
+_BATCH = 256  # frames read from one socket per loop turn, so neither starves
+_POLL_MS = 50
+_POLL_BACKLOG_MS = 5  # while some client's backlog waits to be flushed
+_EMPTY_MAP = encode({})
+_STREAMING = (Op.APPEND, Op.GENERATE)
+
+
+@dataclass
+class _Drain:
+    grace_until: float
+    close_until: float | None = None  # closes sent; their replies awaited until then
+    force: bool = False
+
+
+class Broker:
+    def __init__(self, cfg: BrokerConfig, on_tick: Callable[[], None] | None = None) -> None:
+        self.cfg = cfg
+        self.on_tick = on_tick  # e.g. watching local worker processes
+        self.ctx = zmq.Context.instance()
+        self.frontend = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
+        self.backend = self._router(cfg.backend_hwm)
+        # A worker re-registering reconnects under the same routing id: let
+        # the new connection take it over from the dead one.
+        self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.registry = Registry()
+        self.admission = Admission(cfg)
+        self.backlog: dict[bytes, deque[list[bytes]]] = {}
+        self.started = time.monotonic()
+        self.frames_forwarded = 0
+        self.drain: _Drain | None = None
+        self._drain_request: float | None = None  # set from a signal handler
+        self._own_ids = itertools.count(1)
+        self._next_heartbeat = 0.0
+        self.frontend_endpoint = self.backend_endpoint = ""
+
+    def _router(self, hwm: int, max_msg: int = -1) -> zmq.Socket:
+        # Options before bind: set later they do not apply to accepted peers.
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg)  # far past max_frame_bytes: cut the peer off
+        sock.setsockopt(zmq.LINGER, 1000)
+        return sock
+
+    def bind(self, frontend: str, backend: str) -> None:
+        for endpoint in (frontend, backend):
+            endpoints.prepare(endpoint)
+        self.frontend.bind(frontend)
+        self.backend.bind(backend)
+        self.frontend_endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.backend_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info("listening", frontend=self.frontend_endpoint, backend=self.backend_endpoint, admission=self.cfg.admission)
+
+    def close(self) -> None:
+        self.frontend.close()
+        self.backend.close()
+        for endpoint in (self.frontend_endpoint, self.backend_endpoint):
+            endpoints.remove(endpoint)
+
+    # ------------------------------------------------------------ the loop
+
+    def request_drain(self, grace_s: float | None = None) -> None:
+        """Ask the loop to drain (safe to call from a signal handler); asked
+        again while draining, stop waiting for the grace period."""
+        if self._drain_request is not None or self.drain is not None:
+            if self.drain is not None:
+                self.drain.force = True
+            return
+        self._drain_request = self.cfg.drain_grace_s if grace_s is None else grace_s
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(_POLL_BACKLOG_MS if self.backlog else _POLL_MS))
+            if self._drain_request is not None:  # a signal came during the poll: before any frame
+                self._start_drain(self._drain_request, time.monotonic())
+                self._drain_request = None
+            if self.backend in events:
+                self._read(self.backend, self._on_worker_frames)
+            if self.frontend in events:
+                self._read(self.frontend, self._on_client_frames)
+            if self._tick(time.monotonic()):
+                break
+        self._flush_backlogs()
+        return 0
+
+    def _read(self, sock: zmq.Socket, handle: Callable[[list[bytes], float], None]) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                handle(frames, time.monotonic())
+            except Exception:  # one bad frame must never stop the loop
+                log.exception("frame handling failed", parts=len(frames))
+
+    def _tick(self, now: float) -> bool:
+        """Timers: heartbeats, liveness, queue deadlines, idle sessions,
+        admission from the queue, drain. True when the broker is done."""
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.cfg.heartbeat_s
+            for worker in list(self.registry.workers.values()):
+                self._to_worker(worker, b"", envelope(Op.HEARTBEAT), _EMPTY_MAP)
+        deadline = self.cfg.heartbeat_s * self.cfg.heartbeat_liveness
+        for worker in list(self.registry.workers.values()):
+            if now - worker.last_seen > deadline:
+                self._lose_worker(worker, f"silent for {now - worker.last_seen:.1f}s")
+        for pending in self.admission.timed_out(now):
+            self._refuse(pending.route, pending.request_id, Refusal(OverloadReason.QUEUE_TIMEOUT, f"no slab freed within {pending.deadline - pending.enqueued:g}s", self.cfg.retry_after_s))
+        for session in self.admission.idle(self.registry, now):
+            self.admission.expired += 1
+            log.info("session expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
+            self._end_session(session, ErrorCode.SESSION_EXPIRED)
+        while (admitted := self.admission.next_admitted(self.registry, now)) is not None:
+            self._forward_open(*admitted)
+        self._flush_backlogs()
+        if self.on_tick is not None:
+            self.on_tick()
+        return self.drain is not None and self._drain_step(now)
+
+    # ------------------------------------------------------------- clients
+
+    def _on_client_frames(self, frames: list[bytes], now: float) -> None:
+        route = frames[0]
+        if len(frames) != 3:
+            request_id, session_id = _salvage_ids(frames[1] if len(frames) > 1 else b"")
+            return self._error(route, request_id, session_id, ErrorCode.MALFORMED_FRAME, f"expected [envelope, body], got {len(frames) - 1} parts")
+        env_raw, body = frames[1], frames[2]
+        if len(env_raw) + len(body) > self.cfg.max_frame_bytes:
+            request_id, session_id = _salvage_ids(env_raw)
+            return self._error(route, request_id, session_id, ErrorCode.FRAME_TOO_LARGE, f"frame of {len(env_raw) + len(body)} bytes exceeds {self.cfg.max_frame_bytes}")
+        try:
+            env = decode_envelope(env_raw)
+        except ProtocolError as exc:
+            request_id, session_id = _salvage_ids(env_raw)
+            return self._error(route, request_id, session_id, exc.code, exc.message)
+        handler = self._handlers.get(env.op, Broker._forward if env.op in SESSION_OPS else None)
+        if handler is None:
+            return self._error(route, env.request_id, env.session_id, ErrorCode.UNKNOWN_OP, f"unknown op {env.op!r}")
+        try:
+            handler(self, route, env, env_raw, body, now)
+        except ProtocolError as exc:
+            self._error(route, env.request_id, env.session_id, exc.code, exc.message)
+
+    def _open(self, route, env, env_raw, body, now) -> None:
+        request = decode_body(Op.OPEN, body)
+        self._check_unique(route, env.request_id)
+        pending = PendingOpen(route, env.request_id, body, request.client_name or route.hex(), now, now)
+        if self.drain is not None:
+            return self._refuse(route, env.request_id, self.admission.refuse(OverloadReason.DRAINING, "the broker is draining"))
+        decision = self.admission.decide(self.registry, pending, request, now)
+        if isinstance(decision, Refusal):
+            self._refuse(route, env.request_id, decision)
+        elif isinstance(decision, Worker):
+            self._forward_open(pending, decision)
+        else:
+            log.debug("open queued", request_id=env.request_id, depth=len(self.admission.queue))
+
+    def _forward_open(self, pending: PendingOpen, worker: Worker) -> None:
+        session_id = uuid.uuid4().hex
+        self.admission.admitted += 1
+        self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
+        self._to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)
+
+    def _forward(self, route, env, env_raw, body, now) -> None:
+        """A session op: to the worker holding the session's slab."""
+        session = self._session(env.session_id)
+        if self.drain is not None and env.op in _STREAMING:
+            return self._refuse(route, env.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None), env.session_id)
+        session.last_active = now
+        if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
+            self._check_unique(route, env.request_id)
+            self.registry.track(route, env.request_id, env.op, session.worker, session.session_id)
+        self._to_worker(session.worker, route, env_raw, body)
+
+    def _cancel(self, route, env, env_raw, body, now) -> None:
+        """CANCEL naming a queued or opening OPEN is the broker's; any other
+        goes to the session's worker."""
+        target = decode_body(Op.CANCEL, body).request_id
+        if target is not None:
+            queued = self.admission.remove(route, target)
+            opening = self.registry.requests.get((route, target))
+            if queued:
+                self._error(route, target, "", ErrorCode.CANCELLED, "open cancelled while queued")
+                return self._reply(route, env, Ack())
+            if opening is not None and opening.op == Op.OPEN:
+                opening.cancel_on_open = True
+                return self._reply(route, env, Ack())
+        if not env.session_id:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"nothing to cancel: request {target} is not a queued or opening session")
+        self._forward(route, env, env_raw, body, now)
+
+    def _stats(self, route, env, env_raw, body, now) -> None:
+        decode_body(Op.STATS, body)
+        self._reply(route, env, self.stats(now))
+
+    def _ping(self, route, env, env_raw, body, now) -> None:
+        decode_body(Op.PING, body)
+        self._reply(route, env, Pong(time=time.time()))
+
+    def _drain_op(self, route, env, env_raw, body, now) -> None:
+        grace = decode_body(Op.DRAIN, body).grace_s
+        if grace is not None and grace < 0:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "grace_s must be >= 0")
+        self._reply(route, env, Ack())
+        self._start_drain(self.cfg.drain_grace_s if grace is None else grace, now)
+
+    _handlers = {Op.OPEN: _open, Op.CANCEL: _cancel, Op.STATS: _stats, Op.PING: _ping, Op.DRAIN: _drain_op}
+
+    def _session(self, session_id: str) -> Session:
+        if not session_id:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "this op needs a session id")
+        session = self.registry.sessions.get(session_id)
+        if session is not None and session.ending is None:
+            return session
+        if session is not None:
+            raise ProtocolError(session.ending, f"session {session_id} is being closed by the broker ({session.ending.value})")
+        code, why = self.registry.gone.get(session_id, (ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}"))
+        raise ProtocolError(code, why)
+
+    def _check_unique(self, route: bytes, request_id: int) -> None:
+        if (route, request_id) in self.registry.requests or self.admission.is_queued(route, request_id):
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"request id {request_id} is already in flight")
+
+    # ------------------------------------------------------------- workers
+
+    def _on_worker_frames(self, frames: list[bytes], now: float) -> None:
+        identity = frames[0]
+        worker = self.registry.workers.get(identity)
+        if worker is not None:
+            worker.last_seen = now  # any frame counts as a heartbeat
+        if len(frames) != 4:
+            log.warning("malformed worker frame", worker=identity.hex(), parts=len(frames))
+            return
+        route, env_raw, body = frames[1:]
+        try:
+            env = decode_envelope(env_raw)
+        except ProtocolError as exc:
+            log.warning("bad worker envelope", worker=identity.hex(), error=exc.message)
+            return
+        if env.op == Op.READY:
+            return self._on_ready(identity, worker, body, now)
+        if worker is None:
+            # Not registered (or forgotten as dead): make it register again.
+            log.info("unknown worker, asking it to re-register", worker=identity.hex(), op=env.op)
+            return self._to_worker_raw(identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="not registered")))
+        if env.op == Op.HEARTBEAT:
+            beat = decode_body(Op.HEARTBEAT, body)
+            worker.running, worker.draining = beat.running, beat.draining
+        elif env.op == Op.DISCONNECT:
+            self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
+        elif env.op in REPLY_OPS:
+            self._on_reply(worker, route, env, env_raw, body, now)
+        else:
+            log.warning("unexpected op from worker", worker=worker.worker_id, op=env.op)
+
+    def _on_ready(self, identity: bytes, known: Worker | None, body: bytes, now: float) -> None:
+        ready = decode_body(Op.READY, body)
+        if known is not None:  # it restarted: whatever it held is gone
+            self._lose_worker(known, "re-registered")
+        if ready.version != PROTOCOL_VERSION:
+            log.error("worker speaks another protocol version", worker=identity.hex(), version=ready.version)
+            return
+        worker = self.registry.add_worker(identity, ready, now)
+        log.info("worker ready", worker=worker.worker_id, model=ready.model, slabs=ready.slabs, free=ready.free_slabs, host=ready.host, pid=ready.pid)
+
+    def _on_reply(self, worker: Worker, route: bytes, env, env_raw: bytes, body: bytes, now: float) -> None:
+        req = self.registry.requests.get((route, env.request_id))
+        if req is None or req.worker is not worker:
+            # A late reply to a request already failed (its worker was lost
+            # and came back), or CREDIT's: pass it on, nothing to account.
+            if route:
+                self._to_client(route, [env_raw, body])
+            return
+        final = env.op != Op.PARTIAL
+        if final:
+            self.registry.finish(req)
+        session = self.registry.sessions.get(req.session_id)
+        if session is not None:
+            session.last_active = now
+        if req.op == Op.OPEN and final:
+            env_raw, body = self._opened(req, env.op == Op.FINAL, env_raw, body, now)
+        elif req.op == Op.CLOSE and final:
+            self._closed(req, env.op, body)
+        if route and not req.orphaned:
+            if req.overrun:
+                if not final:
+                    req.dropped += 1
+                    return
+                env_raw = envelope(Op.ERROR, req.request_id, req.session_id)
+                body = error_body(ErrorCode.CANCELLED, f"stream cancelled: the client fell {self.cfg.client_backlog} frames behind ({req.dropped} chunks not sent); read faster or use Generate.credit")
+            self._to_client(route, [env_raw, body])
+            worker.frames_forwarded += 1
+            self.frames_forwarded += 1
+
+    def _opened(self, req: Request, ok: bool, env_raw: bytes, body: bytes, now: float) -> tuple[bytes, bytes]:
+        if not ok:
+            return env_raw, body
+        session = self.registry.add_session(req.session_id, req.worker, req.route, req.owner, now)
+        if req.orphaned:
+            self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
+        elif req.cancel_on_open:
+            self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
+            return envelope(Op.ERROR, req.request_id, req.session_id), error_body(ErrorCode.CANCELLED, "open cancelled; the session was closed")
+        return env_raw, body
+
+    def _closed(self, req: Request, op: str, body: bytes) -> None:
+        session = self.registry.sessions.get(req.session_id)
+        if session is None:
+            return
+        if op == Op.ERROR and decode_reply(body).code is not ErrorCode.SESSION_NOT_FOUND:
+            session.closing = False  # not closed (a bad CLOSE body, say): the session stays
+            return
+        ending = session.ending
+        why = "closed by the broker: idle timeout" if ending is ErrorCode.SESSION_EXPIRED else f"session {req.session_id} was closed"
+        self.registry.drop_session(req.session_id, ending, why)
+
+    def _lose_worker(self, worker: Worker, why: str) -> None:
+        if self.registry.workers.get(worker.identity) is not worker:
+            return
+        sessions = len(worker.sessions)
+        lost = self.registry.remove_worker(worker, why)
+        log.warning("worker lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
+        for req in lost:
+            if req.route and not req.orphaned:
+                self._error(req.route, req.request_id, req.session_id, ErrorCode.WORKER_LOST, f"worker {worker.worker_id} lost ({why})")
+
+    # ------------------------------------------------- the broker's requests
+
+    def _own_request(self, worker: Worker, op: str, session_id: str, body) -> None:
+        request_id = next(self._own_ids)
+        self.registry.track(b"", request_id, op, worker, session_id)
+        self._to_worker(worker, b"", envelope(op, request_id, session_id), encode(body))
+
+    def _end_session(self, session: Session, why: ErrorCode) -> None:
+        """Close a session on the broker's own account. The worker cancels
+        what runs on it first, then frees the slab."""
+        if session.ending is None:
+            session.ending = why
+        if not session.closing:
+            session.closing = True
+            self._own_request(session.worker, Op.CLOSE, session.session_id, Close())
+
+    def _client_gone(self, route: bytes) -> None:
+        """ROUTER_MANDATORY said the client vanished: close the sessions it
+        opened (the worker cancels their running generations first), cancel
+        its generations on sessions it did not open, drop its queued opens
+        and backlog."""
+        self.backlog.pop(route, None)
+        dropped = self.admission.remove(route)
+        sessions = [s for s in self.registry.sessions.values() if s.route == route]
+        for session in sessions:
+            self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
+        for req in [r for r in self.registry.requests.values() if r.route == route and not r.orphaned]:
+            req.orphaned = True
+            session = self.registry.sessions.get(req.session_id)
+            if req.op in _STREAMING and session is not None and session.route != route:
+                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel())
+        log.info("client gone", client=route.hex(), sessions=len(sessions), queued=len(dropped))
+
+    # --------------------------------------------------------------- sends
+
+    def _to_worker(self, worker: Worker, route: bytes, env_raw: bytes, body: bytes) -> None:
+        try:
+            self._to_worker_raw(worker.identity, route, env_raw, body)
+        except zmq.Again:
+            # Its pipe holds backend_hwm frames: it is not reading; heartbeats
+            # will tell if it is dead. This request cannot be sent.
+            env = decode_envelope(env_raw)
+            req = self.registry.requests.get((route, env.request_id))
+            if req is not None:
+                self.registry.finish(req)
+            if route:
+                self._error(route, env.request_id, env.session_id, ErrorCode.OVERLOADED, f"worker {worker.worker_id} is not reading its socket", retry_after_s=self.cfg.retry_after_s)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._lose_worker(worker, "unreachable")
+            return
+        if route:
+            worker.frames_forwarded += 1
+            self.frames_forwarded += 1
+
+    def _to_worker_raw(self, identity: bytes, route: bytes, env_raw: bytes, body: bytes) -> None:
+        self.backend.send_multipart([identity, route, env_raw, body], zmq.NOBLOCK)
+
+    def _to_client(self, route: bytes, parts: list[bytes]) -> None:
+        queue = self.backlog.get(route)
+        if queue is None:
+            try:
+                self.frontend.send_multipart([route, *parts], zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                queue = self.backlog[route] = deque()
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._client_gone(route)
+                return
+        queue.append(parts)
+        if len(queue) > self.cfg.client_backlog:
+            self._overrun(route)
+
+    def _overrun(self, route: bytes) -> None:
+        """A client this far behind: cancel its streams rather than buffer on."""
+        for req in list(self.registry.requests.values()):
+            if req.route == route and req.op == Op.GENERATE and not (req.overrun or req.orphaned):
+                req.overrun = True
+                log.warning("client too slow, cancelling its stream", client=route.hex(), request_id=req.request_id)
+                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel())
+
+    def _flush_backlogs(self) -> None:
+        for route, queue in list(self.backlog.items()):
+            try:
+                while queue:
+                    self.frontend.send_multipart([route, *queue[0]], zmq.NOBLOCK)
+                    queue.popleft()
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._client_gone(route)
+                continue
+            del self.backlog[route]
+
+    def _reply(self, route: bytes, env, body: msgspec.Struct) -> None:
+        self._to_client(route, [envelope(Op.FINAL, env.request_id, env.session_id), encode(body)])
+
+    def _error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str, **extra) -> None:
+        if code is not ErrorCode.OVERLOADED:
+            log.info("error reply", code=code.value, message=message, request_id=request_id)
+        self._to_client(route, [envelope(Op.ERROR, request_id, session_id), error_body(code, message, **extra)])
+
+    def _refuse(self, route: bytes, request_id: int, refusal: Refusal, session_id: str = "") -> None:
+        self._error(
+            route, request_id, session_id, ErrorCode.OVERLOADED, refusal.message,
+            reason=refusal.reason.value, retry_after_s=refusal.retry_after_s, queue_depth=len(self.admission.queue),
+        )
+
+    # ---------------------------------------------------------------- drain
+
+    def _start_drain(self, grace_s: float, now: float) -> None:
+        if self.drain is not None:
+            return
+        self.drain = _Drain(grace_until=now + grace_s)
+        running = sum(1 for r in self.registry.requests.values() if r.route and r.op in _STREAMING)
+        log.info("draining", grace_s=grace_s, running=running, sessions=len(self.registry.sessions), queued=len(self.admission.queue))
+        for pending in self.admission.flush():
+            self._refuse(pending.route, pending.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None))
+
+    def _drain_step(self, now: float) -> bool:
+        """Let running generations finish within the grace period, then close
+        every session (the workers cancel what still runs); True when done."""
+        drain = self.drain
+        if drain.force:
+            return True
+        running = any(r.route and r.op in _STREAMING for r in self.registry.requests.values())
+        if running and now < drain.grace_until:
+            return False
+        if drain.close_until is None:
+            # Time for cancelled generations to reach a token boundary and
+            # for the closes to come back.
+            drain.close_until = now + max(5.0, 5 * self.cfg.heartbeat_s)
+            log.info("closing sessions", sessions=len(self.registry.sessions), running=running)
+            for session in list(self.registry.sessions.values()):
+                self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
+        if self.registry.sessions and now < drain.close_until:
+            return False
+        # Whatever is still unanswered ends here, so no client waits on a
+        # broker that is gone.
+        for req in list(self.registry.requests.values()):
+            if req.route and not req.orphaned:
+                self.registry.finish(req)
+                self._error(req.route, req.request_id, req.session_id, ErrorCode.CANCELLED, "the broker stopped before the worker answered")
+        return True
+
+    def disconnect_workers(self) -> None:
+        """Tell every worker the broker is going: it re-registers with the next."""
+        for worker in list(self.registry.workers.values()):
+            try:
+                self._to_worker_raw(worker.identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="broker stopping")))
+            except zmq.ZMQError:
+                pass  # already gone: nothing to tell
+
+    # ---------------------------------------------------------------- stats
+
+    def stats(self, now: float) -> BrokerStats:
+        reg = self.registry
+        p50, p99 = self.admission.wait_percentiles()
+        workers = [
+            WorkerStats(
+                worker_id=w.worker_id, model=w.ready.model, host=w.ready.host, pid=w.ready.pid,
+                slabs_total=w.ready.slabs, slabs_used=w.ready.slabs - w.free_slabs, running=w.running,
+                in_flight=w.in_flight, sessions=len(w.sessions), frames_forwarded=w.frames_forwarded,
+                last_seen_s=round(now - w.last_seen, 3),
+            )
+            for w in reg.workers.values()
+        ]
+        total = reg.slabs_total()
+        return BrokerStats(
+            version=PROTOCOL_VERSION, uptime_s=round(now - self.started, 3), workers=workers,
+            sessions=len(reg.sessions), in_flight=len(reg.requests), frames_forwarded=self.frames_forwarded,
+            slabs_total=total, slabs_used=total - reg.slabs_free(), queue_depth=len(self.admission.queue),
+            admitted=self.admission.admitted, rejected=self.admission.rejected, expired=self.admission.expired,
+            queue_wait_p50_s=p50, queue_wait_p99_s=p99, draining=self.drain is not None,
+        )
+
+
+def _salvage_ids(raw: bytes) -> tuple[int, str]:
+    """Request and session id from an envelope that failed to decode, so the
+    error still reaches the caller's pending request when they are readable."""
+    try:
+        head = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return 0, ""
+    if not isinstance(head, list):
+        return 0, ""
+    request_id = head[2] if len(head) > 2 and isinstance(head[2], int) else 0
+    session_id = head[3] if len(head) > 3 and isinstance(head[3], str) else ""
+    return request_id, session_id

@@ -1,0 +1,132 @@
+"""`kvmux serve`, `kvmux stats`, `kvmux drain`."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+import typer
+
+from kvmux import logs, paths
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(stats)
+    app.command()(drain)
+
+
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of the settings below (options given here win)."),
+    frontend: Optional[str] = typer.Option(None, help="Client endpoint to bind (default: ipc under the runtime dir)."),
+    backend: Optional[str] = typer.Option(None, help="Worker endpoint to bind, e.g. tcp://0.0.0.0:5556 for remote workers."),
+    workers: Optional[int] = typer.Option(None, help="Local worker processes to start (0: broker only) (default: 1)."),
+    slabs: Optional[int] = typer.Option(None, help="Slabs (live sessions) per local worker (default: 4)."),
+    model: Optional[str] = typer.Option(None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."),
+    admission: Optional[str] = typer.Option(None, help="When no slab is free: reject | queue (default: reject)."),
+    queue_depth: Optional[int] = typer.Option(None, help="Most opens waiting in the queue (default: 64)."),
+    queue_wait_s: Optional[float] = typer.Option(None, help="Longest an open waits in the queue (default: 30)."),
+    client_quota: Optional[int] = typer.Option(None, help="Live sessions per client identity, 0 = unlimited (default: 0)."),
+    idle_timeout_s: Optional[float] = typer.Option(None, help="Close sessions idle this long, 0 = never (default: 0)."),
+    drain_grace_s: Optional[float] = typer.Option(None, help="On SIGTERM/drain, how long running generations may finish (default: 10)."),
+    heartbeat_s: Optional[float] = typer.Option(None, help="Heartbeat interval with workers (default: 1)."),
+    max_frame_bytes: Optional[int] = typer.Option(None, help="Largest client frame accepted (default: 8 MiB)."),
+) -> None:
+    """Run the broker, with --workers local worker processes."""
+    from .broker import Broker
+    from .config import ConfigError, load
+    from .endpoints import EndpointInUse
+    from .local import LocalWorkers
+
+    logs.configure()
+    log = logs.get("broker")
+    try:
+        cfg = load(
+            config, frontend=frontend, backend=backend, workers=workers, slabs=slabs, model=model,
+            admission=admission, queue_depth=queue_depth, queue_wait_s=queue_wait_s, client_quota=client_quota,
+            idle_timeout_s=idle_timeout_s, drain_grace_s=drain_grace_s, heartbeat_s=heartbeat_s,
+            max_frame_bytes=max_frame_bytes,
+        )
+    except ConfigError as exc:
+        typer.echo(f"kvmux serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    local = LocalWorkers(cfg)
+    broker = Broker(cfg, on_tick=local.check)
+    try:
+        broker.bind(cfg.frontend or paths.default_frontend(), cfg.backend or paths.default_backend())
+    except (EndpointInUse, OSError) as exc:
+        typer.echo(f"kvmux serve: cannot bind: {exc}", err=True)
+        broker.close()
+        raise typer.Exit(1) from None
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: broker.request_drain())
+    try:
+        local.start(broker.backend_endpoint)
+        code = broker.run()
+    finally:
+        local.stop()
+        broker.disconnect_workers()
+        broker.close()
+    log.info("stopped", code=code)
+    raise typer.Exit(code)
+
+
+def stats(
+    endpoint: Optional[str] = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    json: bool = typer.Option(False, "--json", help="Print the raw stats as JSON."),
+    timeout_s: float = typer.Option(3.0, help="Give up after this long."),
+) -> None:
+    """Show the broker's workers, slabs, queue and counters."""
+    from kvmux.client import Client, KvmuxError
+
+    try:
+        with Client(endpoint, timeout=timeout_s) as client:
+            result = client.stats()
+    except KvmuxError as exc:
+        typer.echo(f"kvmux stats: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if json:
+        typer.echo(msgspec.json.format(msgspec.json.encode(result).decode()))
+    else:
+        typer.echo(format_stats(result))
+
+
+def drain(
+    endpoint: Optional[str] = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    grace_s: Optional[float] = typer.Option(None, help="How long running generations may finish (default: the daemon's)."),
+    timeout_s: float = typer.Option(3.0, help="Give up after this long."),
+) -> None:
+    """Drain the broker: admit nothing new, finish or cancel what runs, exit."""
+    from kvmux.client import Client, KvmuxError
+
+    try:
+        with Client(endpoint, timeout=timeout_s) as client:
+            client.drain(grace_s)
+    except KvmuxError as exc:
+        typer.echo(f"kvmux drain: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo("draining")
+
+
+def format_stats(s) -> str:
+    """BrokerStats as a short summary and one row per worker."""
+    lines = [
+        f"uptime {s.uptime_s:.0f}s  protocol v{s.version}  {'DRAINING' if s.draining else 'serving'}",
+        f"slabs {s.slabs_used}/{s.slabs_total} used  sessions {s.sessions}  in flight {s.in_flight}  frames forwarded {s.frames_forwarded}",
+        f"queue {s.queue_depth}  admitted {s.admitted}  rejected {s.rejected}  expired {s.expired}"
+        f"  queue wait p50 {s.queue_wait_p50_s * 1000:.1f} ms  p99 {s.queue_wait_p99_s * 1000:.1f} ms",
+        "",
+    ]
+    header = ("WORKER", "HOST", "PID", "SLABS USED", "FREE", "SESSIONS", "RUNNING", "IN FLIGHT", "FRAMES", "SEEN")
+    rows = [
+        (w.worker_id, w.host, str(w.pid), f"{w.slabs_used}/{w.slabs_total}", str(w.slabs_total - w.slabs_used), str(w.sessions),
+         str(w.running), str(w.in_flight), str(w.frames_forwarded), f"{w.last_seen_s:.1f}s ago")
+        for w in s.workers
+    ]
+    if not rows:
+        return "\n".join(lines + ["no workers registered"])
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)]
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""The daemon's settings: one msgspec Struct, filled from a TOML file
+(`kvmux serve --config kvmux.toml`, flat keys named like the fields) and then
+from command-line options, which win. msgspec checks every type and bound;
+`load` turns its complaint into a `ConfigError` that names the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import msgspec
+from kvmux.protocol import DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # sockets ("" = the default ipc endpoints under kvmux.paths.runtime_dir())
+    frontend: str = ""
+    backend: str = ""
+    # local workers started by `kvmux serve`
+    workers: Count = 1
+    slabs: Annotated[int, msgspec.Meta(ge=1)] = 4
+    model: str | None = None
+    worker_args: list[str] = []  # extra `kvmux worker` options, e.g. ["--window", "512"]
+    # admission
+    admission: Literal["reject", "queue"] = "reject"
+    queue_depth: Count = 64  # most opens waiting at once
+    queue_wait_s: Positive = 30.0  # longest an open waits for a slab
+    client_quota: Count = 0  # live sessions per client identity; 0 = no quota
+    idle_timeout_s: NonNegative = 0.0  # close sessions idle this long; 0 = never
+    allow_session_override: bool = True  # OpenSession.admission / queue_wait_s honoured
+    retry_after_s: Positive = 1.0  # the hint sent with `overloaded`
+    # liveness and limits
+    heartbeat_s: Positive = HEARTBEAT_INTERVAL_S
+    heartbeat_liveness: Annotated[float, msgspec.Meta(ge=1)] = HEARTBEAT_LIVENESS
+    max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_FRAME_BYTES
+    drain_grace_s: NonNegative = 10.0  # running generations may finish within this
+    # ZeroMQ high-water marks (messages per peer) and the per-client backlog the
+    # broker holds once a client's pipe is full (see docs/operations.md).
+    frontend_hwm: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    backend_hwm: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    client_backlog: Annotated[int, msgspec.Meta(ge=1)] = 256
+
+    def __post_init__(self) -> None:
+        if self.admission == "queue" and self.queue_depth == 0:
+            raise ValueError("admission = 'queue' needs queue_depth >= 1")
+
+
+class ConfigError(ValueError):
+    """A config file or option the daemon cannot run with; the message says which."""
+
+
+def load(path: Path | None = None, **overrides: Any) -> BrokerConfig:
+    """Read `path` (TOML) if given, apply the non-None `overrides`, validate."""
+    raw: dict[str, Any] = {}
+    where = "command line"
+    if path is not None:
+        where = str(path)
+        try:
+            raw = msgspec.toml.decode(Path(path).read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    raw.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return msgspec.convert(raw, BrokerConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{where}: {_explain(exc)}") from None
+
+
+def _explain(exc: msgspec.ValidationError) -> str:
+    # msgspec says "Expected `int` >= 1, got `0` - at `$.slabs`"; name the key plainly.
+    text = str(exc)
+    if " - at `$." not in text:
+        return text
+    message, _, key = text.rpartition(" - at `$.")
+    key = key.rstrip("`")
+    choices = get_args(_FIELD_TYPES.get(key)) if get_origin(_FIELD_TYPES.get(key)) is Literal else ()
+    if choices:
+        message += f" (choose one of: {', '.join(choices)})"
+    return f"{key}: {message}"
+
+
+_FIELD_TYPES = {field.name: field.type for field in msgspec.structs.fields(BrokerConfig)}

@@ -1,0 +1,113 @@
+"""Queue limits and quota on one worker with one slab: a queued open that
+waits too long, a full queue, a cancelled queued open (its place frees), and
+a client over its quota each get `overloaded` with the right reason."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import Stack
+from kvmux.protocol import ErrorCode, Op
+from test_broker_frames import Raw, expect_error
+
+from kvmux import protocol as p
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = Stack(workers=1, slabs=1, broker_args=["--admission", "queue", "--queue-depth", "2", "--queue-wait-s", "20", "--client-quota", "2"])
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def raws(stack):
+    made: list[Raw] = []
+
+    def make() -> Raw:
+        made.append(Raw(stack.frontend))
+        return made[-1]
+
+    yield make
+    for raw in made:
+        raw.close()
+
+
+def _queue_depth_is(stack, depth: int) -> None:
+    deadline = time.monotonic() + 10
+    while stack.stats().queue_depth != depth:
+        assert time.monotonic() < deadline, f"queue depth never reached {depth}"
+        time.sleep(0.02)
+
+
+def _overloaded(reply, reason: str) -> p.Error:
+    error = expect_error(reply, ErrorCode.OVERLOADED)
+    assert error.reason == reason, error
+    return error
+
+
+def test_queue_timeout_overflow_and_cancel(stack, raws):
+    holder, late, c, d, e, f = (raws() for _ in range(6))
+    _, held = holder.call(Op.OPEN, p.OpenSession())
+    assert isinstance(held, p.SessionOpened)
+
+    started = time.monotonic()
+    error = _overloaded(late.call(Op.OPEN, p.OpenSession(queue_wait_s=0.5)), "queue_timeout")
+    assert 0.5 <= time.monotonic() - started < 5
+    assert error.retry_after_s > 0
+
+    c_open = c.send(Op.OPEN, p.OpenSession())
+    _queue_depth_is(stack, 1)
+    d_open = d.send(Op.OPEN, p.OpenSession())
+    _queue_depth_is(stack, 2)
+    error = _overloaded(e.call(Op.OPEN, p.OpenSession()), "queue_full")
+    assert error.queue_depth == 2
+
+    # c gives up its place: its open ends `cancelled`, the cancel is acked
+    cancel = c.send(Op.CANCEL, p.Cancel(request_id=c_open))
+    expect_error(c.recv(), ErrorCode.CANCELLED, c_open)
+    env, ack = c.recv()
+    assert env.request_id == cancel and isinstance(ack, p.Ack)
+    _queue_depth_is(stack, 1)
+    f_open = f.send(Op.OPEN, p.OpenSession())  # takes the freed place
+    _queue_depth_is(stack, 2)
+
+    # slabs free one by one: d (queued first) gets the slab, then f
+    holder.call(Op.CLOSE, p.Close(), held.session_id)
+    env, opened = d.recv()
+    assert env.request_id == d_open and isinstance(opened, p.SessionOpened)
+    assert not f.sock.poll(200)  # f still waits
+    d.call(Op.CLOSE, p.Close(), opened.session_id)
+    env, opened = f.recv()
+    assert env.request_id == f_open and isinstance(opened, p.SessionOpened)
+    f.call(Op.CLOSE, p.Close(), opened.session_id)
+    stats = stack.stats()
+    assert stats.queue_depth == 0 and stats.slabs_used == 0 and stats.queue_wait_p99_s > 0
+
+
+def test_override_limits(stack, raws):
+    raw = raws()
+    expect_error(raw.call(Op.OPEN, p.OpenSession(admission="lottery")), ErrorCode.INVALID_ARGUMENT)
+    error = expect_error(raw.call(Op.OPEN, p.OpenSession(queue_wait_s=3600.0)), ErrorCode.INVALID_ARGUMENT)
+    assert "queue_wait_s" in error.message
+
+
+def test_client_quota(stack, raws):
+    first, second, third, other = (raws() for _ in range(4))
+    _, held = first.call(Op.OPEN, p.OpenSession(client_name="app"))
+    assert isinstance(held, p.SessionOpened)
+    queued = second.send(Op.OPEN, p.OpenSession(client_name="app"))  # a queued open counts too
+    _queue_depth_is(stack, 1)
+    error = _overloaded(third.call(Op.OPEN, p.OpenSession(client_name="app")), "quota")
+    assert "app" in error.message
+    other_open = other.send(Op.OPEN, p.OpenSession(client_name="another-app"))  # not over its quota: queued
+    _queue_depth_is(stack, 2)
+
+    first.call(Op.CLOSE, p.Close(), held.session_id)
+    env, opened = second.recv()
+    assert env.request_id == queued and isinstance(opened, p.SessionOpened)
+    second.call(Op.CLOSE, p.Close(), opened.session_id)
+    env, opened = other.recv()
+    assert env.request_id == other_open and isinstance(opened, p.SessionOpened)
+    other.call(Op.CLOSE, p.Close(), opened.session_id)

@@ -1,0 +1,70 @@
+"""Broker settings: TOML + command line, validated with errors that name the
+key; and the queue-wait percentiles reported in stats."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import kvmux_command
+from kvmux.broker.admission import percentiles
+from kvmux.broker.config import BrokerConfig, ConfigError, load
+
+
+def test_toml_values_and_command_line_override(tmp_path):
+    path = tmp_path / "kvmux.toml"
+    path.write_text('admission = "queue"\nqueue_depth = 5\nqueue_wait_s = 2.5\nclient_quota = 3\nworker_args = ["--window", "256"]\n')
+    cfg = load(path, queue_depth=9, idle_timeout_s=None)
+    assert (cfg.admission, cfg.queue_depth, cfg.queue_wait_s, cfg.client_quota) == ("queue", 9, 2.5, 3)
+    assert cfg.worker_args == ["--window", "256"]
+    assert cfg.idle_timeout_s == 0.0  # None = not given: the default stays
+    assert load() == BrokerConfig()
+
+
+@pytest.mark.parametrize(
+    ("toml", "overrides", "expected"),
+    [
+        ("slabs = 0", {}, "slabs: Expected `int` >= 1"),
+        ('admission = "fifo"', {}, "admission: Invalid enum value 'fifo' (choose one of: reject, queue)"),
+        ("queue_wait_s = -1", {}, "queue_wait_s: Expected `float` > 0"),
+        ("queue_wait_s = 'long'", {}, "queue_wait_s: Expected `float`, got `str`"),
+        ("slab = 4", {}, "unknown field `slab`"),
+        ("slabs = [", {}, "not valid TOML"),
+        ("", {"admission": "queue", "queue_depth": 0}, "admission = 'queue' needs queue_depth >= 1"),
+        ("", {"client_quota": -2}, "client_quota: Expected `int` >= 0"),
+    ],
+)
+def test_bad_values_are_named(tmp_path, toml, overrides, expected):
+    path = tmp_path / "kvmux.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load(path, **overrides)
+    assert expected in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config .*nope.toml"):
+        load(tmp_path / "nope.toml")
+
+
+def test_serve_refuses_a_bad_config(tmp_path):
+    path = tmp_path / "kvmux.toml"
+    path.write_text("queue_depth = -3\n")
+    done = subprocess.run(kvmux_command("serve", "--workers", "0", "--config", str(path)), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "queue_depth: Expected `int` >= 0" in done.stderr
+    done = subprocess.run(kvmux_command("serve", "--workers", "0", "--admission", "lifo"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "choose one of: reject, queue" in done.stderr
+
+
+def test_percentiles():
+    assert percentiles([]) == (0.0, 0.0)
+    assert percentiles([0.25]) == (0.25, 0.25)
+    p50, p99 = percentiles([float(i) for i in range(1, 101)])  # 1..100
+    assert p50 == pytest.approx(50.5)
+    assert p99 == pytest.approx(99.01)
+    p50, p99 = percentiles([0.1] * 99 + [10.0])
+    assert p50 == pytest.approx(0.1)
+    assert 0.1 < p99 < 10.0  # the one slow wait shows in the tail, not the median

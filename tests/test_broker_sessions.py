@@ -1,0 +1,55 @@
+"""Sessions the broker ends itself: an idle one is closed and its client
+hears `session expired`; a client that vanishes mid-stream has its
+generation cancelled on the worker and its slab freed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import Stack
+from kvmux.client import Client, SessionExpired
+from kvmux.protocol import Op
+from test_broker_frames import Raw
+
+from kvmux import protocol as p
+
+IDLE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def stack():
+    stack = Stack(workers=1, slabs=2, broker_args=["--idle-timeout-s", str(IDLE_S)])
+    yield stack
+    stack.stop()
+
+
+def test_idle_session_expires(stack):
+    with Client(stack.frontend, timeout=30) as client:
+        idle = client.open_session()
+        busy = client.open_session()
+        before = client.stats().expired
+        deadline = time.monotonic() + 3 * IDLE_S
+        while time.monotonic() < deadline:
+            busy.info()  # in use: never expires
+            time.sleep(IDLE_S / 4)
+        with pytest.raises(SessionExpired, match="idle"):
+            idle.info()
+        assert busy.info().session_id == busy.id
+        stats = client.stats()
+        assert stats.expired == before + 1 and stats.sessions == 1 and stats.slabs_used == 1
+        busy.close()
+
+
+def test_client_vanishing_mid_stream_frees_its_slab(stack):
+    raw = Raw(stack.frontend)
+    _, opened = raw.call(Op.OPEN, p.OpenSession())
+    raw.send(Op.GENERATE, p.Generate(messages=[p.ChatMessage("user", "Tell me a long story.")], max_tokens=16), opened.session_id)
+    env, chunk = raw.recv()
+    assert env.op == Op.PARTIAL and isinstance(chunk, p.Chunk)
+    assert stack.stats().sessions == 1
+    raw.close()  # gone, without a word
+    gone = time.monotonic()
+    while (stats := stack.stats()).sessions or stats.in_flight or stats.slabs_used:
+        assert time.monotonic() - gone < 1.0, f"still held: {stats}"
+        time.sleep(0.02)

@@ -1,0 +1,37 @@
+"""Scale-out over tcp: a second worker that joins while the first is full
+takes the next sessions at once; killing it fails only its own sessions."""
+
+from __future__ import annotations
+
+import pytest
+from kvmux.client import Client, Overloaded, SessionNotFound, WorkerLost
+
+
+def test_tcp_worker_joins_and_leaves(stack_factory):
+    stack = stack_factory(workers=1, slabs=1, transport="tcp")
+    assert stack.backend.startswith("tcp://")
+    with Client(stack.frontend, timeout=60) as client:
+        first = client.open_session(system="Be brief.")
+        with pytest.raises(Overloaded) as full:
+            client.open_session()
+        assert full.value.reason == "no_slab"
+
+        stack.add_worker(slabs=2)  # registered once this returns
+        second, third = client.open_session(), client.open_session()
+        assert second.opened.worker_id == third.opened.worker_id != first.opened.worker_id
+        stats = client.stats()
+        assert stats.slabs_total == 3 and stats.slabs_used == 3 and len(stats.workers) == 2
+
+        stream = second.chat("Tell me a long story.", max_tokens=16)
+        next(stream)
+        stack.kill_worker(1)
+        with pytest.raises(WorkerLost):
+            for _ in stream:
+                pass
+        with pytest.raises(SessionNotFound):
+            third.info()
+        chunks = list(reply := first.chat("Hi", max_tokens=2))  # the first worker's session is untouched
+        assert sum(len(c.token_ids) for c in chunks) == reply.result.completion_tokens == 2
+        stats = client.stats()
+        assert len(stats.workers) == 1 and stats.sessions == 1 and stats.slabs_total == 1
+        first.close()
