@@ -109,6 +109,43 @@ def perf(
 
 
 @bench_app.command()
+def admission(
+    workers: int = typer.Option(2, help="Local workers."),
+    slabs: int = typer.Option(2, help="Slabs per worker."),
+    rounds: int = typer.Option(30, help="Opens timed per case."),
+    clients: int = typer.Option(20, help="Clients opening at once in the load test."),
+    max_tokens: int = typer.Option(8, help="Tokens each load-test client generates."),
+    output: Path = typer.Option(Path("admission.json"), help="Report path."),
+) -> None:
+    """Open latency with free slabs vs queued, and broker stats after a load test."""
+    from kvmux import logs
+
+    from .admission import run
+
+    logs.configure()
+    doc = run(output, workers=workers, slabs=slabs, rounds=rounds, clients=clients, max_tokens=max_tokens)
+    typer.echo(json.dumps({k: doc[k] for k in ("open_free", "open_queued_after_release", "load")}, indent=1))
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
+def clients(
+    info_calls: int = typer.Option(500, help="Session-info round trips per client and transport."),
+    chats: int = typer.Option(5, help="Short chats timed to their first token."),
+    output: Path = typer.Option(Path("clients.json"), help="Report path."),
+) -> None:
+    """Python vs Node client, ipc vs tcp: info round trip and time to first token."""
+    from kvmux import logs
+
+    from .clients import run
+
+    logs.configure()
+    doc = run(output, info_calls=info_calls, chats=chats)
+    typer.echo(json.dumps(doc["results"], indent=1))
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
 def report(
     paths_: list[Path] = typer.Argument(..., metavar="REPORT...", help="Soak or perf report JSON files."),
     write: bool = typer.Option(False, "--write", help="Store the recomputed summary back into the report."),

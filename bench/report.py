@@ -113,3 +113,11 @@ class ReportWriter:
             return False
         self.write()
         return True
+
+
+def latency_summary(samples_ms: list[float]) -> dict:
+    """Count, p50 and p99 of latencies in milliseconds."""
+    from kvmux.broker.admission import percentiles
+
+    p50, p99 = percentiles(samples_ms)
+    return {"n": len(samples_ms), "p50_ms": round(p50, 3), "p99_ms": round(p99, 3)}

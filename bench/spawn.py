@@ -27,15 +27,15 @@ def tcp_endpoint() -> str:
 
 
 @contextlib.contextmanager
-def serve(*, workers: int = 1, slabs: int = 4, model: str | None = None, transport: str = "ipc") -> Iterator[str]:
-    """Yield the frontend endpoint of a fresh `kvmux serve`."""
+def serve(*, workers: int = 1, slabs: int = 4, model: str | None = None, transport: str = "ipc", serve_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """Yield the frontend endpoint of a fresh `kvmux serve` (more options in `serve_args`)."""
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))  # short: ipc paths are limited
     if transport == "ipc":
         frontend, backend = f"ipc://{tmp}/f.ipc", f"ipc://{tmp}/b.ipc"
     else:
         frontend, backend = tcp_endpoint(), tcp_endpoint()
     cmd = [sys.executable, "-m", "kvmux.cli", "serve", "--frontend", frontend, "--backend", backend]
-    cmd += ["--workers", str(workers), "--slabs", str(slabs)] + (["--model", model] if model else [])
+    cmd += ["--workers", str(workers), "--slabs", str(slabs)] + (["--model", model] if model else []) + list(serve_args)
     log_path = tmp / "serve.log"  # its tail goes into the error if the daemon fails to start
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -73,9 +73,18 @@ class Scheduler:
                 timeout = 0
             feeding = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
             if feeding:
-                # One forward pass for every session that is decoding now.
-                for job, logits in zip(feeding, self.engine.feed([job.feed for job in feeding])):
-                    job.logits = logits
+                self.feed(feeding)
+
+    def feed(self, jobs: list[Job]) -> None:
+        """One forward pass for every session that is decoding now."""
+        try:
+            for job, logits in zip(jobs, self.engine.feed([job.feed for job in jobs])):
+                job.logits = logits
+        except Exception as exc:
+            log.exception("feed_failed", sessions=len(jobs))
+            for job in jobs:
+                self.finish(job)
+                self.error(job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def step(self, job: Job) -> bool:
         """Resume a job up to its next boundary; True if it asks for a Feed."""

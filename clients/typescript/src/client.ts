@@ -21,6 +21,7 @@ import {
   type Closed,
   type ErrorReply,
   type GenerateResult,
+  type OpenSession,
   type Pong,
   type Reply,
   type Sampling,
@@ -39,16 +40,9 @@ export interface CallOptions {
 export interface ClientOptions {
   timeoutMs?: number;
 }
-export interface OpenOptions extends CallOptions, Sampling {
-  system?: string;
-  sink?: number;
-  window?: number;
-  /** Sampling defaults for the session; the flat keys (maxTokens, temperature, ...) are merged in. */
-  sampling?: Sampling;
-  admission?: string;
-  queueWaitS?: number;
-  clientName?: string;
-}
+/** OpenSession's fields; `sampling` holds the session's defaults, and the flat
+ * sampling keys (maxTokens, temperature, ...) are merged into it. */
+export interface OpenOptions extends CallOptions, Sampling, OpenSession {}
 export interface GenerateOptions extends CallOptions, Sampling {
   messages?: ChatMessage[];
   /** 0 turns flow control off. */

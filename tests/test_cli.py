@@ -1,0 +1,47 @@
+"""The `kvmux` commands a person runs: doctor, chat, launchd print."""
+
+from __future__ import annotations
+
+import plistlib
+import subprocess
+import sys
+
+import pytest
+
+from conftest import kvmux_command
+
+
+def run(*args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(kvmux_command(*args), input=input, capture_output=True, text=True, timeout=timeout)
+
+
+def test_doctor_sees_the_daemon_and_the_openblas_preload(shared_stack):
+    out = run("doctor", "--endpoint", shared_stack.frontend)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "embedded model" in out.stdout and "1 workers" in out.stdout
+    if sys.platform.startswith("linux"):
+        assert "OpenBLAS preloaded" in out.stdout
+
+
+def test_doctor_fails_without_a_daemon(tmp_path):
+    out = run("doctor", "--endpoint", f"ipc://{tmp_path}/nothing.ipc", "--timeout", "0.5")
+    assert out.returncode == 1
+    assert "BAD broker" in out.stdout
+
+
+def test_chat_streams_replies_and_answers_commands(shared_stack):
+    out = run("chat", "--endpoint", shared_stack.frontend, "--max-tokens", "6", input="What is 2+2?\n/info\n/reset\nHi\n/quit\n")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("[max_tokens") + out.stdout.count("[eos") == 2  # two replies with their stats line
+    assert "history" in out.stdout and "kv" in out.stdout  # /info
+    assert "new session" in out.stdout  # /reset
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_launchd_plist_is_valid_and_runs_serve(system):
+    out = run("launchd", "print", *(["--system"] if system else []), "--", "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    job = plistlib.loads(out.stdout.encode())
+    assert job["Label"] == "com.kvmux.daemon"
+    assert job["ProgramArguments"][1:] == ["-m", "kvmux.cli", "serve", "--workers", "2"]
+    assert job["KeepAlive"] == {"SuccessfulExit": False}

@@ -1,0 +1,40 @@
+"""A local mlx-lm model directory loads and serves like the GGUF it was made
+from: the embedded model is written out with mlx-lm's own save functions,
+a worker serves it, and greedy tokens equal the GGUF path's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvmux.client import Client
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from mlx_lm.utils import save_config, save_model
+
+    from kvmux.worker.model import load
+
+    loaded = load()
+    path = tmp_path_factory.mktemp("models") / "smollm2-mlx"
+    save_model(path, loaded.model)
+    save_config(dataclasses.asdict(loaded.model.args), path / "config.json")
+    loaded.tokenizer.save_pretrained(str(path))
+    return path
+
+
+def greedy(frontend: str, ids: list[int]) -> tuple[str, list[int]]:
+    with Client(frontend, timeout=120) as client, client.open_session() as session:
+        session.append(token_ids=ids)
+        tokens = [t for chunk in session.generate(max_tokens=16) for t in chunk.token_ids]
+        return session.opened.model, tokens
+
+
+def test_mlx_lm_directory_serves_the_same_tokens(model_dir, stack_factory, shared_stack, hf_tokenizer):
+    ids = hf_tokenizer.encode("<|im_start|>user\nName the planets of the solar system.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    stack = stack_factory(workers=1, slabs=1, worker_args=["--model", str(model_dir)])
+    model, from_dir = greedy(stack.frontend, ids)
+    assert model == "smollm2-mlx"
+    assert from_dir == greedy(shared_stack.frontend, ids)[1]
