@@ -1,8 +1,9 @@
 """Model loading: a llama-architecture GGUF file (the embedded default) or a
 local mlx-lm model directory, never a hub download.
 
-On a CPU-only MLX the weights are dequantized to float32: MLX's quantized
-CPU kernels are ~2x slower at decode and ~25x slower at prefill there. Where
+On a CPU-only MLX the weights are dequantized and cast to float32: MLX's
+quantized CPU kernels are ~2x slower at decode and ~25x slower at prefill
+there, and its float16 CPU matmuls several times slower than float32. Where
 MLX has a GPU the quantized weights are kept.
 """
 
@@ -146,6 +147,13 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
     return model, bool(bits) and keep_quantized
 
 
+def _to_cpu_float32(model: nn.Module) -> nn.Module:
+    """Dequantized weights come out in the scales' dtype (float16), and MLX's
+    CPU matmuls in float16 or bfloat16 are several times slower than float32."""
+    model.set_dtype(mx.float32)
+    return model
+
+
 def load(path: str | Path | None = None) -> LoadedModel:
     """Load a GGUF file or a local mlx-lm directory (default: the embedded
     SmolLM2-135M-Instruct GGUF)."""
@@ -166,6 +174,8 @@ def load(path: str | Path | None = None) -> LoadedModel:
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
         if quantized and not keep_quantized:
             model, quantized = dequantize_model(model), False
+    if not keep_quantized:
+        model = _to_cpu_float32(model)
     model.eval()
     mx.eval(model.parameters())
     log.info("model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()))
