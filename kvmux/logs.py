@@ -26,9 +26,20 @@ def configure(level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=True,
     )
+
+
+class _Stderr:
+    """sys.stderr looked up at each write, not at configure time: a host
+    (pytest's capture, a daemoniser) may swap or close the stream after."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def get(name: str) -> structlog.typing.FilteringBoundLogger:

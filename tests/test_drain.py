@@ -37,7 +37,7 @@ def test_sigterm_during_three_generations(stack_factory):
             chunks = [first, *stream]
             results[i] = (sum(len(c.token_ids) for c in chunks), stream.result, time.monotonic())
 
-    threads = [threading.Thread(target=chat, args=(i, n)) for i, n in enumerate((2, 16, 16))]
+    threads = [threading.Thread(target=chat, args=(i, n)) for i, n in enumerate((2, 256, 256))]  # the long ones outlast the grace
     for thread in threads:
         thread.start()
     started.wait(60)
