@@ -186,7 +186,8 @@ class Engine:
         def sample(logits: mx.array, step: int) -> mx.array:
             # Reseed per step: sessions interleave on one global PRNG, and a
             # seed must give the same tokens however they interleave.
-            mx.random.seed((params.seed * 1_000_003 + step) & 0xFFFFFFFF)
+            if params.temperature:
+                mx.random.seed((params.seed * 1_000_003 + step) & 0xFFFFFFFF)
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
         detok = self.tokenizer.detokenizer
