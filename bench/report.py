@@ -14,7 +14,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 SCHEMA = 1
 
@@ -115,9 +115,15 @@ class ReportWriter:
         return True
 
 
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation), None for no values."""
+    import numpy as np
+
+    arr = np.asarray(list(values), dtype=float)
+    return float(np.percentile(arr, q)) if arr.size else None
+
+
 def latency_summary(samples_ms: list[float]) -> dict:
     """Count, p50 and p99 of latencies in milliseconds."""
-    from kvmux.broker.admission import percentiles
-
-    p50, p99 = percentiles(samples_ms)
-    return {"n": len(samples_ms), "p50_ms": round(p50, 3), "p99_ms": round(p99, 3)}
+    return {"n": len(samples_ms), "p50_ms": round(percentile(samples_ms, 50), 3), "p99_ms": round(percentile(samples_ms, 99), 3)}

@@ -14,10 +14,11 @@ import sys
 import time
 from typing import Callable
 
-import numpy as np
 import zmq
 
 from kvmux import protocol as p
+
+from .report import percentile
 
 Frames = Callable[[int], list[bytes]]
 
@@ -43,8 +44,8 @@ def round_trips(endpoint: str, frames: Frames, n: int = 2000, warmup: int = 200)
                 samples.append(time.perf_counter() - t0)
     finally:
         sock.close()
-    us = np.asarray(samples) * 1e6
-    return {"n": n, "p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)), "mean_us": float(us.mean())}
+    us = [s * 1e6 for s in samples]
+    return {"n": n, "p50_us": percentile(us, 50), "p99_us": percentile(us, 99), "mean_us": sum(us) / n}
 
 
 def pipelined(endpoint: str, frames: Frames, total: int = 20000, outstanding: int = 256) -> dict:

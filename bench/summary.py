@@ -12,9 +12,9 @@ than passing.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any
 
-import numpy as np
+from .report import percentile
 
 PREFILL_DRIFT_MAX = 1.10
 KV_SPREAD_MAX = 1.01
@@ -23,11 +23,6 @@ RSS_GROWTH_MAX = 1.05
 
 class SeriesError(ValueError):
     """The records cannot support a verdict (no turns, or a zero or constant KV series)."""
-
-
-def _p(values: Iterable[float], q: float) -> float | None:
-    arr = np.asarray(list(values), dtype=float)
-    return float(np.percentile(arr, q)) if arr.size else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -59,8 +54,8 @@ def summarize(turns: list[dict]) -> dict:
     check_kv_series(ok)
 
     decile = max(1, len(ok) // 10)
-    prefill_first = _p((r["prefill_s"] for r in ok[:decile]), 50)
-    prefill_last = _p((r["prefill_s"] for r in ok[-decile:]), 50)
+    prefill_first = percentile((r["prefill_s"] for r in ok[:decile]), 50)
+    prefill_last = percentile((r["prefill_s"] for r in ok[-decile:]), 50)
     drift = _ratio(prefill_last, prefill_first)
 
     kv = [r["kv_live_bytes"] for r in ok]
@@ -84,13 +79,13 @@ def summarize(turns: list[dict]) -> dict:
         "turns": len(turns),
         "errors": len(turns) - len(ok),
         "sessions": len({r["session"] for r in turns}),
-        "latency_p50_s": _p(latencies, 50),
-        "latency_p95_s": _p(latencies, 95),
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p95_s": percentile(latencies, 95),
         "prefill_s_first_decile_p50": prefill_first,
         "prefill_s_last_decile_p50": prefill_last,
         "prefill_drift_ratio": drift,
-        "prefill_tokens_p50": _p((r["prompt_tokens"] for r in ok), 50),
-        "decode_tokens_per_s_p50": _p(
+        "prefill_tokens_p50": percentile((r["prompt_tokens"] for r in ok), 50),
+        "decode_tokens_per_s_p50": percentile(
             (r["completion_tokens"] / r["decode_s"] for r in ok if r["decode_s"] > 0), 50
         ),
         "history_tokens_max": max(r["history_tokens"] for r in ok),
