@@ -171,11 +171,14 @@ class Scheduler:
             sink=session.sink, window=session.window, slab_bytes=self.engine.slab_bytes(session.sink, session.window),
         ))  # fmt: skip
 
-    def start(self, route: bytes, env: p.Envelope, session: Session, steps, window: int = 0) -> None:
+    def ensure_idle(self, session: Session) -> None:
+        """Refuse a new append/generate before it changes anything."""
         if session.id in self.jobs:
             raise ProtocolError(ErrorCode.BUSY, "an append or generate is already running on this session")
         if self.draining:
             raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
+
+    def start(self, route: bytes, env: p.Envelope, session: Session, steps, window: int = 0) -> None:
         job = Job(session=session, route=route, request_id=env.request_id, window=window)
         job.steps = steps(job)
         self.jobs[session.id] = job
@@ -188,8 +191,7 @@ class Scheduler:
     def append(self, route: bytes, env: p.Envelope, body: p.Append, session: Session) -> None:
         if bool(body.messages) == bool(body.token_ids):
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "append takes either messages or token_ids")
-        if session.id in self.jobs:
-            raise ProtocolError(ErrorCode.BUSY, "an append or generate is already running on this session")
+        self.ensure_idle(session)
         if body.messages:
             self.queue_messages(session, body.messages)
         else:
@@ -212,8 +214,7 @@ class Scheduler:
         self.start(route, env, session, steps)
 
     def generate(self, route: bytes, env: p.Envelope, body: p.Generate, session: Session) -> None:
-        if session.id in self.jobs:
-            raise ProtocolError(ErrorCode.BUSY, "an append or generate is already running on this session")
+        self.ensure_idle(session)
         params = self.engine.params(body, session.defaults)
         if body.credit < 0:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "credit must be >= 0")
