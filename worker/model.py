@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,23 +86,22 @@ def _gguf_tokenizer(path: Path):
     if cached.is_dir():
         return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    staging = None
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=_ensure_dir(cached.parent)))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
         tokenizer.save_pretrained(str(staging))
         staging.rename(cached)  # atomic: a worker starting beside us sees all or nothing
     except OSError as exc:  # read-only home, or another worker won the race
         log.debug("tokenizer_cache_skipped", reason=str(exc))
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
 
 
 def tokenizer_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvmux" / "tokenizers"
-
-
-def _ensure_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
