@@ -71,7 +71,10 @@ def load(frontend: str, clients: int, max_tokens: int) -> dict:
 
 def run(output: Path, *, workers: int, slabs: int, rounds: int, clients: int, max_tokens: int) -> dict:
     serve_args = ("--admission", "queue", "--queue-depth", str(clients), "--queue-wait-s", "300")
-    with spawn.serve(workers=workers, slabs=slabs, serve_args=serve_args) as frontend, Client(frontend, timeout=300) as client:
+    with (
+        spawn.serve(workers=workers, slabs=slabs, serve_args=serve_args) as frontend,
+        Client(frontend, timeout=300) as client,
+    ):
         free = free_opens(client, rounds)
         queued = queued_opens(client, workers * slabs, rounds)
         loaded = load(frontend, clients, max_tokens)

@@ -10,7 +10,9 @@ from typing import Optional
 
 import typer
 
-bench_app = typer.Typer(help="Soak and performance benches; each writes a JSON report and a PNG plot.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Soak and performance benches; each writes a JSON report and a PNG plot.", no_args_is_help=True
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -38,8 +40,12 @@ def soak(
     system: Optional[str] = typer.Option(None, help="System prompt (default: the chat template's)."),
     baseline: Optional[str] = typer.Option(None, help="'reprefill': also run each turn as a stateless server would."),
     baseline_every: int = typer.Option(1, help="Run the baseline on every Nth turn only."),
-    baseline_context: Optional[int] = typer.Option(None, help="Tokens of history the baseline re-sends at most (default: sink + window)."),
-    endpoint: Optional[str] = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    baseline_context: Optional[int] = typer.Option(
+        None, help="Tokens of history the baseline re-sends at most (default: sink + window)."
+    ),
+    endpoint: Optional[str] = typer.Option(
+        None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."
+    ),
     spawn: bool = typer.Option(False, "--spawn", help="Start a private `kvmux serve` for this run."),
     model: Optional[str] = typer.Option(None, help="With --spawn: the model (default: embedded SmolLM2)."),
     output: Path = typer.Option(Path("soak.json"), help="Report path; the plot goes next to it (.png)."),
@@ -58,11 +64,25 @@ def soak(
     if baseline not in (None, "reprefill"):
         raise typer.BadParameter("only 'reprefill' is supported", param_hint="--baseline")
     slabs = sessions + (1 if baseline else 0)
-    with spawn_mod.serve(workers=1, slabs=slabs, model=model) if spawn else contextlib.nullcontext(endpoint or paths.default_frontend()) as ep:
+    with (
+        spawn_mod.serve(workers=1, slabs=slabs, model=model)
+        if spawn
+        else contextlib.nullcontext(endpoint or paths.default_frontend()) as ep
+    ):
         cfg = SoakConfig(
-            endpoint=ep, turns=turns or None, duration_s=duration_s, turn_spacing_s=turn_spacing_s, sessions=sessions,
-            max_tokens=max_tokens, window=window, sink=sink, system=system, baseline=baseline,
-            baseline_every=baseline_every, baseline_context=baseline_context, timeout_s=timeout_s,
+            endpoint=ep,
+            turns=turns or None,
+            duration_s=duration_s,
+            turn_spacing_s=turn_spacing_s,
+            sessions=sessions,
+            max_tokens=max_tokens,
+            window=window,
+            sink=sink,
+            system=system,
+            baseline=baseline,
+            baseline_every=baseline_every,
+            baseline_context=baseline_context,
+            timeout_s=timeout_s,
         )
         doc = Soak(cfg, output, checkpoint_s=checkpoint_s, progress=progress).run()
     png = plot.plot_soak(doc, output.with_suffix(".png"))
@@ -98,9 +118,16 @@ def perf(
     from .perf import PerfConfig, run
 
     cfg = PerfConfig(
-        model=model, decode_tokens=decode_tokens, window=window, sink=sink,
-        sessions=tuple(int(n) for n in sessions.split(",")), session_tokens=session_tokens,
-        prefill_tokens=prefill_tokens, repeats=repeats, round_trips=round_trips, transformers=transformers,
+        model=model,
+        decode_tokens=decode_tokens,
+        window=window,
+        sink=sink,
+        sessions=tuple(int(n) for n in sessions.split(",")),
+        session_tokens=session_tokens,
+        prefill_tokens=prefill_tokens,
+        repeats=repeats,
+        round_trips=round_trips,
+        transformers=transformers,
     )
     doc = run(cfg, output)
     png = plot.plot_perf(doc, output.with_suffix(".png"))

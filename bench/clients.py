@@ -52,7 +52,16 @@ def run(output: Path, *, info_calls: int, chats: int) -> dict:
         with spawn.serve(workers=1, slabs=4, transport=transport) as endpoint:
             for name, measure in (("python", python_client), ("node", node_client)):
                 raw = measure(endpoint, info_calls, chats)
-                results[f"{name}_{transport}"] = {"info_rtt": latency_summary(raw["info_ms"]), "ttft": latency_summary(raw["ttft_ms"])}
-    doc = {"bench": "clients", "created": now_iso(), "machine": machine(), "config": {"info_calls": info_calls, "chats": chats}, "results": results}
+                results[f"{name}_{transport}"] = {
+                    "info_rtt": latency_summary(raw["info_ms"]),
+                    "ttft": latency_summary(raw["ttft_ms"]),
+                }
+    doc = {
+        "bench": "clients",
+        "created": now_iso(),
+        "machine": machine(),
+        "config": {"info_calls": info_calls, "chats": chats},
+        "results": results,
+    }
     write_json_atomic(output, doc)
     return doc

@@ -79,7 +79,7 @@ def stack_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dict
         with client.open_session(sink=cfg.sink, window=cfg.window) as session:
             session.append(token_ids=prompt_ids)
             run = _stream_decode(session, cfg.decode_tokens)
-            run["token_ids"] = session.info(token_ids=True).token_ids[len(prompt_ids):]
+            run["token_ids"] = session.info(token_ids=True).token_ids[len(prompt_ids) :]
             runs.append(run)
     return max(runs, key=lambda r: r["decode_tokens_per_s"] or 0.0)
 
@@ -169,11 +169,15 @@ def run(cfg: PerfConfig, output: Path) -> dict:
             steps.update()
             writer.write()
         ipc_direct = frontend.rsplit("/", 1)[0] + "/direct.ipc"
-        doc["broker_overhead"] = {"ipc": roundtrip.measure(frontend, ipc_direct, n=cfg.round_trips, total=cfg.pipelined_frames)}
+        doc["broker_overhead"] = {
+            "ipc": roundtrip.measure(frontend, ipc_direct, n=cfg.round_trips, total=cfg.pipelined_frames)
+        }
     steps.update()
     writer.write()
     with spawn.serve(workers=1, slabs=1, model=cfg.model, transport="tcp") as frontend:
-        doc["broker_overhead"]["tcp"] = roundtrip.measure(frontend, spawn.tcp_endpoint(), n=cfg.round_trips, total=cfg.pipelined_frames)
+        doc["broker_overhead"]["tcp"] = roundtrip.measure(
+            frontend, spawn.tcp_endpoint(), n=cfg.round_trips, total=cfg.pipelined_frames
+        )
     steps.update()
     writer.write()
     # The bare model runs after the stack has stopped, so neither disturbs the other.
@@ -181,7 +185,9 @@ def run(cfg: PerfConfig, output: Path) -> dict:
     doc["bare_decode"]["same_tokens_as_stack"] = doc["bare_decode"]["token_ids"] == doc["stack_decode"]["token_ids"]
     del loaded
     if cfg.transformers and hf.available():
-        doc["transformers"] = hf.run_subprocess(str(cfg.model or _default_model()), long_ids, cfg.decode_tokens, cfg.repeats)
+        doc["transformers"] = hf.run_subprocess(
+            str(cfg.model or _default_model()), long_ids, cfg.decode_tokens, cfg.repeats
+        )
     else:
         doc["transformers"] = None
     steps.update()
@@ -203,14 +209,26 @@ def ratios(doc: dict) -> dict:
         "stack_vs_bare_decode": doc["stack_decode"]["decode_tokens_per_s"] / doc["bare_decode"]["decode_tokens_per_s"],
     }
     for transport, r in doc["broker_overhead"].items():
-        out[f"broker_rtt_p50_vs_direct_{transport}"] = r["broker_ping"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
-        out[f"broker_rtt_p99_vs_direct_{transport}"] = r["broker_ping"]["round_trip"]["p99_us"] / r["direct"]["round_trip"]["p99_us"]
-        out[f"broker_frames_per_s_vs_direct_{transport}"] = r["broker_ping"]["pipelined"]["frames_per_s"] / r["direct"]["pipelined"]["frames_per_s"]
+        out[f"broker_rtt_p50_vs_direct_{transport}"] = (
+            r["broker_ping"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
+        )
+        out[f"broker_rtt_p99_vs_direct_{transport}"] = (
+            r["broker_ping"]["round_trip"]["p99_us"] / r["direct"]["round_trip"]["p99_us"]
+        )
+        out[f"broker_frames_per_s_vs_direct_{transport}"] = (
+            r["broker_ping"]["pipelined"]["frames_per_s"] / r["direct"]["pipelined"]["frames_per_s"]
+        )
         if "forwarded_info" in r:
-            out[f"forwarded_rtt_p50_vs_direct_{transport}"] = r["forwarded_info"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
+            out[f"forwarded_rtt_p50_vs_direct_{transport}"] = (
+                r["forwarded_info"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
+            )
     for row in doc["sessions_throughput"]["runs"]:
         out[f"sessions_{row['sessions']}_throughput_vs_1"] = row["relative_to_1"]
     if doc.get("transformers"):
-        out["vs_transformers_prefill"] = doc["engine"]["prefill_tokens_per_s"] / doc["transformers"]["prefill_tokens_per_s"]
-        out["vs_transformers_decode"] = doc["engine"]["decode_tokens_per_s"] / doc["transformers"]["decode_tokens_per_s"]
+        out["vs_transformers_prefill"] = (
+            doc["engine"]["prefill_tokens_per_s"] / doc["transformers"]["prefill_tokens_per_s"]
+        )
+        out["vs_transformers_decode"] = (
+            doc["engine"]["decode_tokens_per_s"] / doc["transformers"]["decode_tokens_per_s"]
+        )
     return out

@@ -115,7 +115,6 @@ class ReportWriter:
         return True
 
 
-
 def percentile(values: Iterable[float], q: float) -> float | None:
     """The q-th percentile (linear interpolation), None for no values."""
     import numpy as np
@@ -126,4 +125,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
 def latency_summary(samples_ms: list[float]) -> dict:
     """Count, p50 and p99 of latencies in milliseconds."""
-    return {"n": len(samples_ms), "p50_ms": round(percentile(samples_ms, 50), 3), "p99_ms": round(percentile(samples_ms, 99), 3)}
+    return {
+        "n": len(samples_ms),
+        "p50_ms": round(percentile(samples_ms, 50), 3),
+        "p99_ms": round(percentile(samples_ms, 99), 3),
+    }

@@ -132,13 +132,22 @@ def measure(frontend: str, direct_endpoint: str, with_worker: bool = True, n: in
     """All broker_overhead numbers for one transport."""
     out: dict = {}
     with EchoPeer(direct_endpoint):
-        out["direct"] = {"round_trip": round_trips(direct_endpoint, ping_frames, n), "pipelined": pipelined(direct_endpoint, ping_frames, total)}
-    out["broker_ping"] = {"round_trip": round_trips(frontend, ping_frames, n), "pipelined": pipelined(frontend, ping_frames, total)}
+        out["direct"] = {
+            "round_trip": round_trips(direct_endpoint, ping_frames, n),
+            "pipelined": pipelined(direct_endpoint, ping_frames, total),
+        }
+    out["broker_ping"] = {
+        "round_trip": round_trips(frontend, ping_frames, n),
+        "pipelined": pipelined(frontend, ping_frames, total),
+    }
     if with_worker:
         sid = open_raw_session(frontend)
         try:
             frames = info_frames(sid)
-            out["forwarded_info"] = {"round_trip": round_trips(frontend, frames, n // 4), "pipelined": pipelined(frontend, frames, total // 4)}
+            out["forwarded_info"] = {
+                "round_trip": round_trips(frontend, frames, n // 4),
+                "pipelined": pipelined(frontend, frames, total // 4),
+            }
         finally:
             close_raw_session(frontend, sid)
     return out

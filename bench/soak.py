@@ -32,8 +32,22 @@ log = logs.get("bench")
 # User messages of near-equal token length, so every turn prefills about the
 # same number of new tokens and prefill seconds are comparable across turns.
 TOPICS = (
-    "cats", "rain", "music", "bread", "rivers", "stars", "trees", "salt",
-    "glass", "paper", "bees", "snow", "iron", "clocks", "maps", "tea",
+    "cats",
+    "rain",
+    "music",
+    "bread",
+    "rivers",
+    "stars",
+    "trees",
+    "salt",
+    "glass",
+    "paper",
+    "bees",
+    "snow",
+    "iron",
+    "clocks",
+    "maps",
+    "tea",
 )
 MAX_CONSECUTIVE_ERRORS = 3
 
@@ -90,7 +104,13 @@ class Soak:
         self.doc = self.writer.doc
         self.doc.update(turns=[], opened=[], summary=None, summary_error=None)
         if cfg.baseline:
-            self.doc["baseline"] = {"mode": cfg.baseline, "every": cfg.baseline_every, "turns": [], "summary": None, "summary_error": None}
+            self.doc["baseline"] = {
+                "mode": cfg.baseline,
+                "every": cfg.baseline_every,
+                "turns": [],
+                "summary": None,
+                "summary_error": None,
+            }
         self._lock = threading.Lock()
         self._deadline = time.monotonic() + cfg.duration_s if cfg.duration_s else None
         total = cfg.turns * cfg.sessions if cfg.turns else None
@@ -104,7 +124,9 @@ class Soak:
         with Client(self.cfg.endpoint, timeout=self.cfg.timeout_s) as client:
             self._rss = _RssReader(client)
             self.doc["stats_before"] = _stats_dict(client)
-            threads = [threading.Thread(target=self._session, args=(client, i), daemon=True) for i in range(self.cfg.sessions)]
+            threads = [
+                threading.Thread(target=self._session, args=(client, i), daemon=True) for i in range(self.cfg.sessions)
+            ]
             for t in threads:
                 t.start()
             try:
@@ -163,10 +185,17 @@ class Soak:
             latency = time.perf_counter() - t0
             info = session.info()
         except KvmuxError as exc:
-            return {"session": index, "turn": turn, "latency_s": time.perf_counter() - t0, "error": f"{type(exc).__name__}: {exc}"}, ""
+            return {
+                "session": index,
+                "turn": turn,
+                "latency_s": time.perf_counter() - t0,
+                "error": f"{type(exc).__name__}: {exc}",
+            }, ""
         return self._measure(index, turn, latency, result, info, session.opened.worker_id), reply
 
-    def _reprefill_turn(self, client: Client, index: int, turn: int, history: list[dict], exchange_tokens: list[int]) -> dict:
+    def _reprefill_turn(
+        self, client: Client, index: int, turn: int, history: list[dict], exchange_tokens: list[int]
+    ) -> dict:
         """The same turn as a stateless server serves it: a fresh session,
         the conversation re-sent (as much as fits the context), the same reply length."""
         cfg = self.cfg
@@ -191,7 +220,12 @@ class Soak:
                 info = fresh.info()
                 rec = self._measure(index, turn, latency, stream.result, info, fresh.opened.worker_id)
         except KvmuxError as exc:
-            return {"session": index, "turn": turn, "latency_s": time.perf_counter() - t0, "error": f"{type(exc).__name__}: {exc}"}
+            return {
+                "session": index,
+                "turn": turn,
+                "latency_s": time.perf_counter() - t0,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
         rec["resent_messages"] = len(messages)
         return rec
 

@@ -27,7 +27,14 @@ def tcp_endpoint() -> str:
 
 
 @contextlib.contextmanager
-def serve(*, workers: int = 1, slabs: int = 4, model: str | None = None, transport: str = "ipc", serve_args: tuple[str, ...] = ()) -> Iterator[str]:
+def serve(
+    *,
+    workers: int = 1,
+    slabs: int = 4,
+    model: str | None = None,
+    transport: str = "ipc",
+    serve_args: tuple[str, ...] = (),
+) -> Iterator[str]:
     """Yield the frontend endpoint of a fresh `kvmux serve` (more options in `serve_args`)."""
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))  # short: ipc paths are limited
     if transport == "ipc":
@@ -65,4 +72,6 @@ def _wait_ready(proc: subprocess.Popen, frontend: str, workers: int, log_path: P
             except KvmuxError:
                 pass
             time.sleep(0.3)
-    raise TimeoutError(f"kvmux serve: {workers} workers not ready in {READY_TIMEOUT_S}s: {log_path.read_text()[-2000:]}")
+    raise TimeoutError(
+        f"kvmux serve: {workers} workers not ready in {READY_TIMEOUT_S}s: {log_path.read_text()[-2000:]}"
+    )

@@ -52,21 +52,30 @@ class Admission:
         if request.admission is None and request.queue_wait_s is None:
             return cfg.admission, cfg.queue_wait_s
         if not cfg.allow_session_override:
-            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "this daemon does not allow per-session admission overrides")
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT, "this daemon does not allow per-session admission overrides"
+            )
         admission = request.admission or cfg.admission
         if admission not in ("reject", "queue"):
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"admission must be 'reject' or 'queue', not {admission!r}")
         wait = cfg.queue_wait_s if request.queue_wait_s is None else request.queue_wait_s
         if not 0 < wait <= cfg.queue_wait_s:
-            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"queue_wait_s must be in (0, {cfg.queue_wait_s}] on this daemon, not {wait}")
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"queue_wait_s must be in (0, {cfg.queue_wait_s}] on this daemon, not {wait}",
+            )
         return admission, wait
 
-    def decide(self, registry: Registry, pending: PendingOpen, request: OpenSession, now: float) -> Worker | PendingOpen | Refusal:
+    def decide(
+        self, registry: Registry, pending: PendingOpen, request: OpenSession, now: float
+    ) -> Worker | PendingOpen | Refusal:
         """Admit on a worker, queue (returns `pending`, now queued) or refuse."""
         admission, wait = self.policy(request)
         quota = self.cfg.client_quota
         if quota and registry.live_sessions_of(pending.owner) + self.queued_for(pending.owner) >= quota:
-            return self.refuse(OverloadReason.QUOTA, f"client {pending.owner!r} already holds its quota of {quota} sessions")
+            return self.refuse(
+                OverloadReason.QUOTA, f"client {pending.owner!r} already holds its quota of {quota} sessions"
+            )
         worker = registry.place()
         if worker is not None and not self.queue:  # never jump the queue
             return worker

@@ -104,7 +104,9 @@ class Broker:
         self.backend.bind(backend)
         self.frontend_endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
-        log.info("listening", frontend=self.frontend_endpoint, backend=self.backend_endpoint, admission=self.cfg.admission)
+        log.info(
+            "listening", frontend=self.frontend_endpoint, backend=self.backend_endpoint, admission=self.cfg.admission
+        )
 
     def close(self) -> None:
         self.frontend.close()
@@ -164,7 +166,15 @@ class Broker:
             if now - worker.last_seen > deadline:
                 self._lose_worker(worker, f"silent for {now - worker.last_seen:.1f}s")
         for pending in self.admission.timed_out(now):
-            self._refuse(pending.route, pending.request_id, Refusal(OverloadReason.QUEUE_TIMEOUT, f"no slab freed within {pending.deadline - pending.enqueued:g}s", self.cfg.retry_after_s))
+            self._refuse(
+                pending.route,
+                pending.request_id,
+                Refusal(
+                    OverloadReason.QUEUE_TIMEOUT,
+                    f"no slab freed within {pending.deadline - pending.enqueued:g}s",
+                    self.cfg.retry_after_s,
+                ),
+            )
         for session in self.admission.idle(self.registry, now):
             self.admission.expired += 1
             log.info("session expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
@@ -182,11 +192,23 @@ class Broker:
         route = frames[0]
         if len(frames) != 3:
             request_id, session_id = _salvage_ids(frames[1] if len(frames) > 1 else b"")
-            return self._error(route, request_id, session_id, ErrorCode.MALFORMED_FRAME, f"expected [envelope, body], got {len(frames) - 1} parts")
+            return self._error(
+                route,
+                request_id,
+                session_id,
+                ErrorCode.MALFORMED_FRAME,
+                f"expected [envelope, body], got {len(frames) - 1} parts",
+            )
         env_raw, body = frames[1], frames[2]
         if len(env_raw) + len(body) > self.cfg.max_frame_bytes:
             request_id, session_id = _salvage_ids(env_raw)
-            return self._error(route, request_id, session_id, ErrorCode.FRAME_TOO_LARGE, f"frame of {len(env_raw) + len(body)} bytes exceeds {self.cfg.max_frame_bytes}")
+            return self._error(
+                route,
+                request_id,
+                session_id,
+                ErrorCode.FRAME_TOO_LARGE,
+                f"frame of {len(env_raw) + len(body)} bytes exceeds {self.cfg.max_frame_bytes}",
+            )
         try:
             env = decode_envelope(env_raw)
         except ProtocolError as exc:
@@ -205,7 +227,9 @@ class Broker:
         self._check_unique(route, env.request_id)
         pending = PendingOpen(route, env.request_id, body, request.client_name or route.hex(), now, now)
         if self.drain is not None:
-            return self._refuse(route, env.request_id, self.admission.refuse(OverloadReason.DRAINING, "the broker is draining"))
+            return self._refuse(
+                route, env.request_id, self.admission.refuse(OverloadReason.DRAINING, "the broker is draining")
+            )
         decision = self.admission.decide(self.registry, pending, request, now)
         if isinstance(decision, Refusal):
             self._refuse(route, env.request_id, decision)
@@ -224,7 +248,9 @@ class Broker:
         """A session op: to the worker holding the session's slab."""
         session = self._session(env.session_id)
         if self.drain is not None and env.op in _STREAMING:
-            return self._refuse(route, env.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None), env.session_id)
+            return self._refuse(
+                route, env.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None), env.session_id
+            )
         session.last_active = now
         if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
             self._check_unique(route, env.request_id)
@@ -245,7 +271,9 @@ class Broker:
                 opening.cancel_on_open = True
                 return self._reply(route, env, Ack())
         if not env.session_id:
-            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"nothing to cancel: request {target} is not a queued or opening session")
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT, f"nothing to cancel: request {target} is not a queued or opening session"
+            )
         self._forward(route, env, env_raw, body, now)
 
     def _stats(self, route, env, env_raw, body, now) -> None:
@@ -272,7 +300,9 @@ class Broker:
         if session is not None and session.ending is None:
             return session
         if session is not None:
-            raise ProtocolError(session.ending, f"session {session_id} is being closed by the broker ({session.ending.value})")
+            raise ProtocolError(
+                session.ending, f"session {session_id} is being closed by the broker ({session.ending.value})"
+            )
         code, why = self.registry.gone.get(session_id, (ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}"))
         raise ProtocolError(code, why)
 
@@ -301,7 +331,9 @@ class Broker:
         if worker is None:
             # Not registered (or forgotten as dead): make it register again.
             log.info("unknown worker, asking it to re-register", worker=identity.hex(), op=env.op)
-            return self._to_worker_raw(identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="not registered")))
+            return self._to_worker_raw(
+                identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="not registered"))
+            )
         if env.op == Op.HEARTBEAT:
             beat = decode_body(Op.HEARTBEAT, body)
             worker.running, worker.draining = beat.running, beat.draining
@@ -320,7 +352,15 @@ class Broker:
             log.error("worker speaks another protocol version", worker=identity.hex(), version=ready.version)
             return
         worker = self.registry.add_worker(identity, ready, now)
-        log.info("worker ready", worker=worker.worker_id, model=ready.model, slabs=ready.slabs, free=ready.free_slabs, host=ready.host, pid=ready.pid)
+        log.info(
+            "worker ready",
+            worker=worker.worker_id,
+            model=ready.model,
+            slabs=ready.slabs,
+            free=ready.free_slabs,
+            host=ready.host,
+            pid=ready.pid,
+        )
 
     def _on_reply(self, worker: Worker, route: bytes, env, env_raw: bytes, body: bytes, now: float) -> None:
         req = self.registry.requests.get((route, env.request_id))
@@ -346,7 +386,10 @@ class Broker:
                     req.dropped += 1
                     return
                 env_raw = envelope(Op.ERROR, req.request_id, req.session_id)
-                body = error_body(ErrorCode.CANCELLED, f"stream cancelled: the client fell {self.cfg.client_backlog} frames behind ({req.dropped} chunks not sent); read faster or use Generate.credit")
+                body = error_body(
+                    ErrorCode.CANCELLED,
+                    f"stream cancelled: the client fell {self.cfg.client_backlog} frames behind ({req.dropped} chunks not sent); read faster or use Generate.credit",
+                )
             self._to_client(route, [env_raw, body])
             worker.frames_forwarded += 1
             self.frames_forwarded += 1
@@ -359,7 +402,9 @@ class Broker:
             self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
         elif req.cancel_on_open:
             self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
-            return envelope(Op.ERROR, req.request_id, req.session_id), error_body(ErrorCode.CANCELLED, "open cancelled; the session was closed")
+            return envelope(Op.ERROR, req.request_id, req.session_id), error_body(
+                ErrorCode.CANCELLED, "open cancelled; the session was closed"
+            )
         return env_raw, body
 
     def _closed(self, req: Request, op: str, body: bytes) -> None:
@@ -370,7 +415,11 @@ class Broker:
             session.closing = False  # not closed (a bad CLOSE body, say): the session stays
             return
         ending = session.ending
-        why = "closed by the broker: idle timeout" if ending is ErrorCode.SESSION_EXPIRED else f"session {req.session_id} was closed"
+        why = (
+            "closed by the broker: idle timeout"
+            if ending is ErrorCode.SESSION_EXPIRED
+            else f"session {req.session_id} was closed"
+        )
         self.registry.drop_session(req.session_id, ending, why)
 
     def _lose_worker(self, worker: Worker, why: str) -> None:
@@ -381,7 +430,13 @@ class Broker:
         log.warning("worker lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
         for req in lost:
             if req.route and not req.orphaned:
-                self._error(req.route, req.request_id, req.session_id, ErrorCode.WORKER_LOST, f"worker {worker.worker_id} lost ({why})")
+                self._error(
+                    req.route,
+                    req.request_id,
+                    req.session_id,
+                    ErrorCode.WORKER_LOST,
+                    f"worker {worker.worker_id} lost ({why})",
+                )
 
     # ------------------------------------------------- the broker's requests
 
@@ -429,7 +484,14 @@ class Broker:
             if req is not None:
                 self.registry.finish(req)
             if route:
-                self._error(route, env.request_id, env.session_id, ErrorCode.OVERLOADED, f"worker {worker.worker_id} is not reading its socket", retry_after_s=self.cfg.retry_after_s)
+                self._error(
+                    route,
+                    env.request_id,
+                    env.session_id,
+                    ErrorCode.OVERLOADED,
+                    f"worker {worker.worker_id} is not reading its socket",
+                    retry_after_s=self.cfg.retry_after_s,
+                )
             return
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
@@ -493,8 +555,14 @@ class Broker:
 
     def _refuse(self, route: bytes, request_id: int, refusal: Refusal, session_id: str = "") -> None:
         self._error(
-            route, request_id, session_id, ErrorCode.OVERLOADED, refusal.message,
-            reason=refusal.reason.value, retry_after_s=refusal.retry_after_s, queue_depth=len(self.admission.queue),
+            route,
+            request_id,
+            session_id,
+            ErrorCode.OVERLOADED,
+            refusal.message,
+            reason=refusal.reason.value,
+            retry_after_s=refusal.retry_after_s,
+            queue_depth=len(self.admission.queue),
         )
 
     # ---------------------------------------------------------------- drain
@@ -504,9 +572,17 @@ class Broker:
             return
         self.drain = _Drain(grace_until=now + grace_s)
         running = sum(1 for r in self.registry.requests.values() if r.route and r.op in _STREAMING)
-        log.info("draining", grace_s=grace_s, running=running, sessions=len(self.registry.sessions), queued=len(self.admission.queue))
+        log.info(
+            "draining",
+            grace_s=grace_s,
+            running=running,
+            sessions=len(self.registry.sessions),
+            queued=len(self.admission.queue),
+        )
         for pending in self.admission.flush():
-            self._refuse(pending.route, pending.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None))
+            self._refuse(
+                pending.route, pending.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None)
+            )
 
     def _drain_step(self, now: float) -> bool:
         """Let running generations finish within the grace period, then close
@@ -531,14 +607,22 @@ class Broker:
         for req in list(self.registry.requests.values()):
             if req.route and not req.orphaned:
                 self.registry.finish(req)
-                self._error(req.route, req.request_id, req.session_id, ErrorCode.CANCELLED, "the broker stopped before the worker answered")
+                self._error(
+                    req.route,
+                    req.request_id,
+                    req.session_id,
+                    ErrorCode.CANCELLED,
+                    "the broker stopped before the worker answered",
+                )
         return True
 
     def disconnect_workers(self) -> None:
         """Tell every worker the broker is going: it re-registers with the next."""
         for worker in list(self.registry.workers.values()):
             try:
-                self._to_worker_raw(worker.identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="broker stopping")))
+                self._to_worker_raw(
+                    worker.identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="broker stopping"))
+                )
             except zmq.ZMQError:
                 pass  # already gone: nothing to tell
 
@@ -549,20 +633,37 @@ class Broker:
         p50, p99 = self.admission.wait_percentiles()
         workers = [
             WorkerStats(
-                worker_id=w.worker_id, model=w.ready.model, host=w.ready.host, pid=w.ready.pid,
-                slabs_total=w.ready.slabs, slabs_used=w.ready.slabs - w.free_slabs, running=w.running,
-                in_flight=w.in_flight, sessions=len(w.sessions), frames_forwarded=w.frames_forwarded,
+                worker_id=w.worker_id,
+                model=w.ready.model,
+                host=w.ready.host,
+                pid=w.ready.pid,
+                slabs_total=w.ready.slabs,
+                slabs_used=w.ready.slabs - w.free_slabs,
+                running=w.running,
+                in_flight=w.in_flight,
+                sessions=len(w.sessions),
+                frames_forwarded=w.frames_forwarded,
                 last_seen_s=round(now - w.last_seen, 3),
             )
             for w in reg.workers.values()
         ]
         total = reg.slabs_total()
         return BrokerStats(
-            version=PROTOCOL_VERSION, uptime_s=round(now - self.started, 3), workers=workers,
-            sessions=len(reg.sessions), in_flight=len(reg.requests), frames_forwarded=self.frames_forwarded,
-            slabs_total=total, slabs_used=total - reg.slabs_free(), queue_depth=len(self.admission.queue),
-            admitted=self.admission.admitted, rejected=self.admission.rejected, expired=self.admission.expired,
-            queue_wait_p50_s=p50, queue_wait_p99_s=p99, draining=self.drain is not None,
+            version=PROTOCOL_VERSION,
+            uptime_s=round(now - self.started, 3),
+            workers=workers,
+            sessions=len(reg.sessions),
+            in_flight=len(reg.requests),
+            frames_forwarded=self.frames_forwarded,
+            slabs_total=total,
+            slabs_used=total - reg.slabs_free(),
+            queue_depth=len(self.admission.queue),
+            admitted=self.admission.admitted,
+            rejected=self.admission.rejected,
+            expired=self.admission.expired,
+            queue_wait_p50_s=p50,
+            queue_wait_p99_s=p99,
+            draining=self.drain is not None,
         )
 
 

@@ -19,18 +19,28 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of the settings below (options given here win)."),
+    config: Optional[Path] = typer.Option(
+        None, "--config", help="TOML file with any of the settings below (options given here win)."
+    ),
     frontend: Optional[str] = typer.Option(None, help="Client endpoint to bind (default: ipc under the runtime dir)."),
-    backend: Optional[str] = typer.Option(None, help="Worker endpoint to bind, e.g. tcp://0.0.0.0:5556 for remote workers."),
+    backend: Optional[str] = typer.Option(
+        None, help="Worker endpoint to bind, e.g. tcp://0.0.0.0:5556 for remote workers."
+    ),
     workers: Optional[int] = typer.Option(None, help="Local worker processes to start (0: broker only) (default: 1)."),
     slabs: Optional[int] = typer.Option(None, help="Slabs (live sessions) per local worker (default: 4)."),
-    model: Optional[str] = typer.Option(None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."),
+    model: Optional[str] = typer.Option(
+        None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."
+    ),
     admission: Optional[str] = typer.Option(None, help="When no slab is free: reject | queue (default: reject)."),
     queue_depth: Optional[int] = typer.Option(None, help="Most opens waiting in the queue (default: 64)."),
     queue_wait_s: Optional[float] = typer.Option(None, help="Longest an open waits in the queue (default: 30)."),
-    client_quota: Optional[int] = typer.Option(None, help="Live sessions per client identity, 0 = unlimited (default: 0)."),
+    client_quota: Optional[int] = typer.Option(
+        None, help="Live sessions per client identity, 0 = unlimited (default: 0)."
+    ),
     idle_timeout_s: Optional[float] = typer.Option(None, help="Close sessions idle this long, 0 = never (default: 0)."),
-    drain_grace_s: Optional[float] = typer.Option(None, help="On SIGTERM/drain, how long running generations may finish (default: 10)."),
+    drain_grace_s: Optional[float] = typer.Option(
+        None, help="On SIGTERM/drain, how long running generations may finish (default: 10)."
+    ),
     heartbeat_s: Optional[float] = typer.Option(None, help="Heartbeat interval with workers (default: 1)."),
     max_frame_bytes: Optional[int] = typer.Option(None, help="Largest client frame accepted (default: 8 MiB)."),
 ) -> None:
@@ -44,9 +54,19 @@ def serve(
     log = logs.get("broker")
     try:
         cfg = load(
-            config, frontend=frontend, backend=backend, workers=workers, slabs=slabs, model=model,
-            admission=admission, queue_depth=queue_depth, queue_wait_s=queue_wait_s, client_quota=client_quota,
-            idle_timeout_s=idle_timeout_s, drain_grace_s=drain_grace_s, heartbeat_s=heartbeat_s,
+            config,
+            frontend=frontend,
+            backend=backend,
+            workers=workers,
+            slabs=slabs,
+            model=model,
+            admission=admission,
+            queue_depth=queue_depth,
+            queue_wait_s=queue_wait_s,
+            client_quota=client_quota,
+            idle_timeout_s=idle_timeout_s,
+            drain_grace_s=drain_grace_s,
+            heartbeat_s=heartbeat_s,
             max_frame_bytes=max_frame_bytes,
         )
     except ConfigError as exc:
@@ -74,7 +94,9 @@ def serve(
 
 
 def stats(
-    endpoint: Optional[str] = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    endpoint: Optional[str] = typer.Option(
+        None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."
+    ),
     json: bool = typer.Option(False, "--json", help="Print the raw stats as JSON."),
     timeout_s: float = typer.Option(3.0, help="Give up after this long."),
 ) -> None:
@@ -94,8 +116,12 @@ def stats(
 
 
 def drain(
-    endpoint: Optional[str] = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
-    grace_s: Optional[float] = typer.Option(None, help="How long running generations may finish (default: the daemon's)."),
+    endpoint: Optional[str] = typer.Option(
+        None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."
+    ),
+    grace_s: Optional[float] = typer.Option(
+        None, help="How long running generations may finish (default: the daemon's)."
+    ),
     timeout_s: float = typer.Option(3.0, help="Give up after this long."),
 ) -> None:
     """Drain the broker: admit nothing new, finish or cancel what runs, exit."""
@@ -121,8 +147,18 @@ def format_stats(s) -> str:
     ]
     header = ("WORKER", "HOST", "PID", "SLABS USED", "FREE", "SESSIONS", "RUNNING", "IN FLIGHT", "FRAMES", "SEEN")
     rows = [
-        (w.worker_id, w.host, str(w.pid), f"{w.slabs_used}/{w.slabs_total}", str(w.slabs_total - w.slabs_used), str(w.sessions),
-         str(w.running), str(w.in_flight), str(w.frames_forwarded), f"{w.last_seen_s:.1f}s ago")
+        (
+            w.worker_id,
+            w.host,
+            str(w.pid),
+            f"{w.slabs_used}/{w.slabs_total}",
+            str(w.slabs_total - w.slabs_used),
+            str(w.sessions),
+            str(w.running),
+            str(w.in_flight),
+            str(w.frames_forwarded),
+            f"{w.last_seen_s:.1f}s ago",
+        )
         for w in s.workers
     ]
     if not rows:

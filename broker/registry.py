@@ -30,7 +30,9 @@ class Worker:
 
     @property
     def worker_id(self) -> str:
-        return self.identity.decode("utf-8", "backslashreplace") if self.identity[:1] != b"\x00" else self.identity.hex()
+        return (
+            self.identity.decode("utf-8", "backslashreplace") if self.identity[:1] != b"\x00" else self.identity.hex()
+        )
 
     @property
     def free_slabs(self) -> int:
@@ -86,7 +88,11 @@ class Registry:
         for req in lost:
             del self.requests[(req.route, req.request_id)]
         for session_id in list(worker.sessions):
-            self.drop_session(session_id, ErrorCode.SESSION_NOT_FOUND, f"session {session_id} was on worker {worker.worker_id}, which was lost ({why})")
+            self.drop_session(
+                session_id,
+                ErrorCode.SESSION_NOT_FOUND,
+                f"session {session_id} was on worker {worker.worker_id}, which was lost ({why})",
+            )
         return lost
 
     def place(self) -> Worker | None:
@@ -126,7 +132,9 @@ class Registry:
 
     # ----------------------------------------------------------- requests
 
-    def track(self, route: bytes, request_id: int, op: str, worker: Worker, session_id: str, owner: str = "") -> Request:
+    def track(
+        self, route: bytes, request_id: int, op: str, worker: Worker, session_id: str, owner: str = ""
+    ) -> Request:
         req = Request(route, request_id, op, worker, session_id, owner)
         self.requests[(route, request_id)] = req
         worker.in_flight += 1

@@ -15,7 +15,9 @@ from kvmux.paths import default_frontend
 
 
 def chat(
-    endpoint: str = typer.Option(None, "--endpoint", "-e", help="Broker frontend. [default: the local daemon's, or $KVMUX_ENDPOINT]"),
+    endpoint: str = typer.Option(
+        None, "--endpoint", "-e", help="Broker frontend. [default: the local daemon's, or $KVMUX_ENDPOINT]"
+    ),
     system: Optional[str] = typer.Option(None, help="System prompt."),
     max_tokens: int = typer.Option(512, min=1, help="Longest reply."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
@@ -29,7 +31,9 @@ def chat(
 
     with Client(endpoint or default_frontend()) as client:
         session = open_session(client)
-        typer.secho(f"session {session.id} on {session.opened.worker_id} ({session.opened.model}); /info /reset /quit", dim=True)
+        typer.secho(
+            f"session {session.id} on {session.opened.worker_id} ({session.opened.model}); /info /reset /quit", dim=True
+        )
         while True:
             try:
                 text = input("> ")

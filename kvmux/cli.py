@@ -17,7 +17,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def main() -> None:
     """Session-bound LLM runtime: a ZeroMQ broker, MLX workers, bounded per-session KV slabs."""

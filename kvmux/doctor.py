@@ -21,7 +21,9 @@ def _version(dist: str) -> str:
 
 
 def doctor(
-    endpoint: str = typer.Option(None, "--endpoint", "-e", help="Broker frontend to probe. [default: the local daemon's]"),
+    endpoint: str = typer.Option(
+        None, "--endpoint", "-e", help="Broker frontend to probe. [default: the local daemon's]"
+    ),
     timeout: float = typer.Option(2.0, help="Seconds to wait for the broker."),
 ) -> None:
     """Check the installation and the running daemon; exit 1 if something is wrong."""

@@ -12,11 +12,7 @@ import structlog
 
 def configure(level: str | None = None) -> None:
     level_name = (level or os.environ.get("KVMUX_LOG_LEVEL", "info")).upper()
-    renderer = (
-        structlog.dev.ConsoleRenderer()
-        if sys.stderr.isatty()
-        else structlog.processors.JSONRenderer()
-    )
+    renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -78,7 +78,9 @@ def install(
 
 
 @launchd_app.command()
-def uninstall(system: bool = typer.Option(False, help="The system LaunchDaemon instead of the per-user LaunchAgent.")) -> None:
+def uninstall(
+    system: bool = typer.Option(False, help="The system LaunchDaemon instead of the per-user LaunchAgent."),
+) -> None:
     """Stop the job (it drains) and remove its plist."""
     if sys.platform != "darwin":
         typer.echo("launchd is macOS only.", err=True)
@@ -92,6 +94,3 @@ def uninstall(system: bool = typer.Option(False, help="The system LaunchDaemon i
 
 def register(app: typer.Typer) -> None:
     app.add_typer(launchd_app, name="launchd")
-
-
-

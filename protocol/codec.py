@@ -115,10 +115,16 @@ def decode_envelope(raw: bytes) -> Envelope:
         except msgspec.DecodeError:
             head = None
         if isinstance(head, list) and head and isinstance(head[0], int) and head[0] != PROTOCOL_VERSION:
-            raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"protocol version {head[0]} not supported (this peer speaks {PROTOCOL_VERSION})") from None
+            raise ProtocolError(
+                ErrorCode.VERSION_MISMATCH,
+                f"protocol version {head[0]} not supported (this peer speaks {PROTOCOL_VERSION})",
+            ) from None
         raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"bad envelope: {exc}") from None
     if env.version != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"protocol version {env.version} not supported (this peer speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            ErrorCode.VERSION_MISMATCH,
+            f"protocol version {env.version} not supported (this peer speaks {PROTOCOL_VERSION})",
+        )
     return env
 
 

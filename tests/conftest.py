@@ -64,7 +64,9 @@ class Stack:
         self.workers: list[subprocess.Popen] = []
         self.broker = self._spawn(
             "broker",
-            kvmux_command("serve", "--workers", "0", "--frontend", self.frontend, "--backend", self.backend, *broker_args),
+            kvmux_command(
+                "serve", "--workers", "0", "--frontend", self.frontend, "--backend", self.backend, *broker_args
+            ),
         )
         for _ in range(workers):
             self.add_worker(wait=False)
@@ -75,9 +77,17 @@ class Stack:
         env = {**os.environ, "KVMUX_LOG_LEVEL": os.environ.get("KVMUX_LOG_LEVEL", "info")}
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
-    def add_worker(self, *args: str, slabs: int | None = None, backend: str | None = None, wait: bool = True) -> subprocess.Popen:
+    def add_worker(
+        self, *args: str, slabs: int | None = None, backend: str | None = None, wait: bool = True
+    ) -> subprocess.Popen:
         cmd = kvmux_command(
-            "worker", "--connect", backend or self.backend, "--slabs", str(slabs or self.slabs), *self.worker_args, *args
+            "worker",
+            "--connect",
+            backend or self.backend,
+            "--slabs",
+            str(slabs or self.slabs),
+            *self.worker_args,
+            *args,
         )
         proc = self._spawn(f"worker{len(self.workers)}", cmd)
         self.workers.append(proc)

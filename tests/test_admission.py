@@ -19,7 +19,9 @@ CLIENTS = 20
 @pytest.fixture(scope="module")
 def stack():
     # The daemon queues; the reject test asks for `reject` per session.
-    stack = Stack(workers=2, slabs=2, broker_args=["--admission", "queue", "--queue-depth", "16", "--queue-wait-s", "30"])
+    stack = Stack(
+        workers=2, slabs=2, broker_args=["--admission", "queue", "--queue-depth", "16", "--queue-wait-s", "30"]
+    )
     yield stack
     stack.stop()
 

@@ -16,7 +16,11 @@ from kvmux import protocol as p
 
 @pytest.fixture(scope="module")
 def stack():
-    stack = Stack(workers=1, slabs=1, broker_args=["--admission", "queue", "--queue-depth", "2", "--queue-wait-s", "20", "--client-quota", "2"])
+    stack = Stack(
+        workers=1,
+        slabs=1,
+        broker_args=["--admission", "queue", "--queue-depth", "2", "--queue-wait-s", "20", "--client-quota", "2"],
+    )
     yield stack
     stack.stop()
 

@@ -17,9 +17,25 @@ def test_short_soak_end_to_end(shared_stack, tmp_path):
     result = CliRunner().invoke(
         app,
         [
-            "bench", "soak", "--endpoint", shared_stack.frontend, "--turns", str(TURNS), "--window", "64",
-            "--max-tokens", "4", "--baseline", "reprefill", "--baseline-every", "10", "--output", str(out),
-            "--no-progress", "--checkpoint-s", "1",
+            "bench",
+            "soak",
+            "--endpoint",
+            shared_stack.frontend,
+            "--turns",
+            str(TURNS),
+            "--window",
+            "64",
+            "--max-tokens",
+            "4",
+            "--baseline",
+            "reprefill",
+            "--baseline-every",
+            "10",
+            "--output",
+            str(out),
+            "--no-progress",
+            "--checkpoint-s",
+            "1",
         ],
     )
     assert result.exit_code in (0, 1), result.output  # 1: a verdict failed (timing noise), reported below

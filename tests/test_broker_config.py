@@ -13,7 +13,9 @@ from kvmux.broker.config import BrokerConfig, ConfigError, load
 
 def test_toml_values_and_command_line_override(tmp_path):
     path = tmp_path / "kvmux.toml"
-    path.write_text('admission = "queue"\nqueue_depth = 5\nqueue_wait_s = 2.5\nclient_quota = 3\nworker_args = ["--window", "256"]\n')
+    path.write_text(
+        'admission = "queue"\nqueue_depth = 5\nqueue_wait_s = 2.5\nclient_quota = 3\nworker_args = ["--window", "256"]\n'
+    )
     cfg = load(path, queue_depth=9, idle_timeout_s=None)
     assert (cfg.admission, cfg.queue_depth, cfg.queue_wait_s, cfg.client_quota) == ("queue", 9, 2.5, 3)
     assert cfg.worker_args == ["--window", "256"]
@@ -51,10 +53,14 @@ def test_missing_file_is_a_clear_error(tmp_path):
 def test_serve_refuses_a_bad_config(tmp_path):
     path = tmp_path / "kvmux.toml"
     path.write_text("queue_depth = -3\n")
-    done = subprocess.run(kvmux_command("serve", "--workers", "0", "--config", str(path)), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        kvmux_command("serve", "--workers", "0", "--config", str(path)), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert "queue_depth: Expected `int` >= 0" in done.stderr
-    done = subprocess.run(kvmux_command("serve", "--workers", "0", "--admission", "lifo"), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        kvmux_command("serve", "--workers", "0", "--admission", "lifo"), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert "choose one of: reject, queue" in done.stderr
 

@@ -126,11 +126,18 @@ def test_session_ops_reach_the_worker_and_close_frees_the_slab(raw, shared_stack
 
 
 def test_kvmux_stats_command(shared_stack):
-    done = subprocess.run(kvmux_command("stats", "--endpoint", shared_stack.frontend, "--json"), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        kvmux_command("stats", "--endpoint", shared_stack.frontend, "--json"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     stats = msgspec.convert(json.loads(done.stdout), p.BrokerStats)
     assert len(stats.workers) == 1 and stats.slabs_total == shared_stack.slabs
-    done = subprocess.run(kvmux_command("stats", "--endpoint", shared_stack.frontend), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        kvmux_command("stats", "--endpoint", shared_stack.frontend), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert "WORKER" in done.stdout and stats.workers[0].worker_id in done.stdout
     assert f"slabs {stats.slabs_used}/{stats.slabs_total} used" in done.stdout
@@ -139,7 +146,10 @@ def test_kvmux_stats_command(shared_stack):
 def test_kvmux_stats_without_a_broker_fails_fast(tmp_path):
     started = time.monotonic()
     done = subprocess.run(
-        kvmux_command("stats", "--endpoint", f"ipc://{tmp_path}/none.ipc", "--timeout-s", "1"), capture_output=True, text=True, timeout=60
+        kvmux_command("stats", "--endpoint", f"ipc://{tmp_path}/none.ipc", "--timeout-s", "1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1 and "kvmux stats:" in done.stderr
     assert time.monotonic() - started < 30

@@ -44,7 +44,11 @@ def test_idle_session_expires(stack):
 def test_client_vanishing_mid_stream_frees_its_slab(stack):
     raw = Raw(stack.frontend)
     _, opened = raw.call(Op.OPEN, p.OpenSession())
-    raw.send(Op.GENERATE, p.Generate(messages=[p.ChatMessage("user", "Tell me a long story.")], max_tokens=16), opened.session_id)
+    raw.send(
+        Op.GENERATE,
+        p.Generate(messages=[p.ChatMessage("user", "Tell me a long story.")], max_tokens=16),
+        opened.session_id,
+    )
     env, chunk = raw.recv()
     assert env.op == Op.PARTIAL and isinstance(chunk, p.Chunk)
     assert stack.stats().sessions == 1

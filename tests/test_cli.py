@@ -30,7 +30,14 @@ def test_doctor_fails_without_a_daemon(tmp_path):
 
 
 def test_chat_streams_replies_and_answers_commands(shared_stack):
-    out = run("chat", "--endpoint", shared_stack.frontend, "--max-tokens", "6", input="What is 2+2?\n/info\n/reset\nHi\n/quit\n")
+    out = run(
+        "chat",
+        "--endpoint",
+        shared_stack.frontend,
+        "--max-tokens",
+        "6",
+        input="What is 2+2?\n/info\n/reset\nHi\n/quit\n",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("[max_tokens") + out.stdout.count("[eos") == 2  # two replies with their stats line
     assert "history" in out.stdout and "kv" in out.stdout  # /info

@@ -67,6 +67,7 @@ def test_break_and_task_cancellation_cancel_the_generation(shared_stack):
 def test_concurrent_sessions_from_one_client(shared_stack):
     async def main():
         async with AsyncClient(shared_stack.frontend, timeout=60) as client:
+
             async def turn(i: int) -> p.GenerateResult:
                 async with await client.open_session() as session:
                     stream = session.chat(f"Say the number {i}.", max_tokens=3)

@@ -37,7 +37,9 @@ def test_sigterm_during_three_generations(stack_factory):
             chunks = [first, *stream]
             results[i] = (sum(len(c.token_ids) for c in chunks), stream.result, time.monotonic())
 
-    threads = [threading.Thread(target=chat, args=(i, n)) for i, n in enumerate((2, 256, 256))]  # the long ones outlast the grace
+    threads = [
+        threading.Thread(target=chat, args=(i, n)) for i, n in enumerate((2, 256, 256))
+    ]  # the long ones outlast the grace
     for thread in threads:
         thread.start()
     started.wait(60)
@@ -73,7 +75,9 @@ def test_serve_with_local_workers_drains_on_the_drain_op():
     env.pop("KVMUX_BACKEND", None)
     endpoint = f"ipc://{rt}/frontend.ipc"
     log = open(runtime / "serve.log", "wb")
-    serve = subprocess.Popen(kvmux_command("serve", "--workers", "1", "--slabs", "1"), env=env, stdout=log, stderr=subprocess.STDOUT)
+    serve = subprocess.Popen(
+        kvmux_command("serve", "--workers", "1", "--slabs", "1"), env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while (stats := broker_stats(endpoint, 1.0)) is None or not stats.workers:
@@ -85,7 +89,12 @@ def test_serve_with_local_workers_drains_on_the_drain_op():
 
         with Client(endpoint, timeout=10) as client:
             session = client.open_session()
-            done = subprocess.run(kvmux_command("drain", "--endpoint", endpoint, "--grace-s", "1"), capture_output=True, text=True, timeout=60)
+            done = subprocess.run(
+                kvmux_command("drain", "--endpoint", endpoint, "--grace-s", "1"),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert done.returncode == 0 and "draining" in done.stdout, done.stderr
             assert serve.wait(30) == 0
             session._closed = True  # its broker is gone: nothing to close

@@ -33,7 +33,10 @@ def greedy(frontend: str, ids: list[int]) -> tuple[str, list[int]]:
 
 
 def test_mlx_lm_directory_serves_the_same_tokens(model_dir, stack_factory, shared_stack, hf_tokenizer):
-    ids = hf_tokenizer.encode("<|im_start|>user\nName the planets of the solar system.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    ids = hf_tokenizer.encode(
+        "<|im_start|>user\nName the planets of the solar system.<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
     stack = stack_factory(workers=1, slabs=1, worker_args=["--model", str(model_dir)])
     model, from_dir = greedy(stack.frontend, ids)
     assert model == "smollm2-mlx"

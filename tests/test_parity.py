@@ -29,10 +29,14 @@ def reference(model_path, hf_tokenizer):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_transformers(prompt, reference, shared_stack):
     tokenizer, model = reference
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id
+        )
     expected = out[0, len(ids) :].tolist()
 
     with Client(shared_stack.frontend, timeout=120) as client, client.open_session() as session:

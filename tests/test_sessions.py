@@ -87,7 +87,9 @@ def _capacity_from_gguf(model_path, sink: int, window: int) -> int:
         return int(fields[key].parts[-1][0])
 
     head_dim = value("llama.embedding_length") // value("llama.attention.head_count")
-    per_token = 2 * value("llama.block_count") * value("llama.attention.head_count_kv") * head_dim * 4  # float32 K and V
+    per_token = (
+        2 * value("llama.block_count") * value("llama.attention.head_count_kv") * head_dim * 4
+    )  # float32 K and V
     return (sink + window) * per_token
 
 
@@ -114,11 +116,17 @@ def test_kv_memory_grows_then_stays_flat_at_the_slab_capacity(client, model_path
 def test_seeded_sampling_repeats_however_sessions_interleave(client):
     def sample(seed, results, key):
         with client.open_session() as session:
-            results[key] = run(session.chat("Invent a name for a cat.", max_tokens=12, temperature=1.5, top_p=0.95, top_k=50, seed=seed))[1]
+            results[key] = run(
+                session.chat(
+                    "Invent a name for a cat.", max_tokens=12, temperature=1.5, top_p=0.95, top_k=50, seed=seed
+                )
+            )[1]
 
     results: dict = {}
     sample(7, results, "alone")
-    threads = [threading.Thread(target=sample, args=(seed, results, key)) for seed, key in ((7, "a"), (7, "b"), (8, "other"))]
+    threads = [
+        threading.Thread(target=sample, args=(seed, results, key)) for seed, key in ((7, "a"), (7, "b"), (8, "other"))
+    ]
     for t in threads:
         t.start()
     for t in threads:

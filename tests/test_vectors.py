@@ -55,7 +55,11 @@ def test_vector_round_trip(vector):
     assert p.encode(built) == raw
 
 
-@pytest.mark.parametrize("vector", [v for v in MANIFEST if v["schema"] in maker.SCHEMAS and maker.SCHEMAS[v["schema"]] in p.ReplyBody.__args__], ids=lambda v: v["name"])
+@pytest.mark.parametrize(
+    "vector",
+    [v for v in MANIFEST if v["schema"] in maker.SCHEMAS and maker.SCHEMAS[v["schema"]] in p.ReplyBody.__args__],
+    ids=lambda v: v["name"],
+)
 def test_reply_vectors_decode_through_the_union(vector):
     raw = (VECTORS / vector["file"]).read_bytes()
     assert type(p.decode_reply(raw)).__name__ == vector["schema"]

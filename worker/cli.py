@@ -11,14 +11,20 @@ from kvmux.paths import default_backend
 
 
 def worker(
-    connect: str = typer.Option(None, "--connect", help="Broker backend endpoint (ipc:// or tcp://). [default: the local daemon's]"),
+    connect: str = typer.Option(
+        None, "--connect", help="Broker backend endpoint (ipc:// or tcp://). [default: the local daemon's]"
+    ),
     slabs: int = typer.Option(4, min=1, help="Sessions this worker holds at once (one KV slab each)."),
-    model: Optional[str] = typer.Option(None, help="GGUF file or local mlx-lm model directory. [default: embedded SmolLM2-135M-Instruct]"),
+    model: Optional[str] = typer.Option(
+        None, help="GGUF file or local mlx-lm model directory. [default: embedded SmolLM2-135M-Instruct]"
+    ),
     sink: int = typer.Option(4, min=0, help="Largest attention-sink size a session may ask for (and the default)."),
     window: int = typer.Option(2048, min=1, help="Largest sliding window a session may ask for (and the default)."),
     worker_id: Optional[str] = typer.Option(None, help="Routing id shown in stats. [default: HOST-PID]"),
     heartbeat_s: float = typer.Option(p.HEARTBEAT_INTERVAL_S, min=0.05, help="Heartbeat interval."),
-    grace_s: float = typer.Option(30.0, min=0, help="On SIGTERM, how long running generations may finish before they are cancelled."),
+    grace_s: float = typer.Option(
+        30.0, min=0, help="On SIGTERM, how long running generations may finish before they are cancelled."
+    ),
 ) -> None:
     """Run one worker: load the model, register with the broker, serve sessions."""
     from kvmux.worker.preload import ensure_preloaded

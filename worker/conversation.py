@@ -27,7 +27,9 @@ class Conversation:
 
     def _suffix(self, full: str) -> str:
         if not full.startswith(self.rendered):
-            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "the model's chat template re-renders earlier turns; use raw token appends")
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT, "the model's chat template re-renders earlier turns; use raw token appends"
+            )
         return full[len(self.rendered) :]
 
     def extend(self, messages: list[dict]) -> str:

@@ -95,7 +95,9 @@ class Engine:
     def slab_bytes(self, sink: int, window: int) -> int:
         return (sink + window) * self.loaded.kv_bytes_per_token
 
-    def new_session(self, session_id: str, sink: int | None, window: int | None, system: str | None, defaults: Sampling | None) -> Session:
+    def new_session(
+        self, session_id: str, sink: int | None, window: int | None, system: str | None, defaults: Sampling | None
+    ) -> Session:
         sink = self.max_sink if sink is None else sink
         window = self.max_window if window is None else window
         if not 0 <= sink <= self.max_sink:
@@ -170,7 +172,13 @@ class Engine:
             del session.pending[: len(chunk)]
             yield
 
-    def decode(self, session: Session, params: GenerationParams, emit: Callable[[Decoded], None], should_stop: Callable[[], bool]):
+    def decode(
+        self,
+        session: Session,
+        params: GenerationParams,
+        emit: Callable[[Decoded], None],
+        should_stop: Callable[[], bool],
+    ):
         """Sample up to max_tokens tokens, each fed into the slab.
 
         A coroutine: it yields a `Feed` per token and is sent back the logits
@@ -202,7 +210,15 @@ class Engine:
             is_eos = token in self.eos
             if not is_eos:
                 detok.add_token(token)
-            reason = "eos" if is_eos else "max_tokens" if step + 1 == params.max_tokens else "cancelled" if should_stop() else None
+            reason = (
+                "eos"
+                if is_eos
+                else "max_tokens"
+                if step + 1 == params.max_tokens
+                else "cancelled"
+                if should_stop()
+                else None
+            )
             if reason:
                 detok.finalize()
             text, hit = stops.feed(detok.last_segment)
@@ -221,7 +237,9 @@ class Engine:
         """The logits after each feed's token, in one batched pass where the
         model allows it (lazy: computed when a session samples from them)."""
         if len(feeds) > 1 and self.batching:
-            logits = batch.forward(self.model, mx.concatenate([f.token for f in feeds]), [f.session.slab for f in feeds])
+            logits = batch.forward(
+                self.model, mx.concatenate([f.token for f in feeds]), [f.session.slab for f in feeds]
+            )
             return [logits[i : i + 1] for i in range(len(feeds))]
         return [self._forward(f.session, f.token) for f in feeds]
 

@@ -61,7 +61,9 @@ class Scheduler:
         self.pipe.send_multipart([route, p.envelope(op, request_id, session_id), p.encode(body)])
 
     def error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str, **extra) -> None:
-        self.pipe.send_multipart([route, p.envelope(Op.ERROR, request_id, session_id), p.error_body(code, message, **extra)])
+        self.pipe.send_multipart(
+            [route, p.envelope(Op.ERROR, request_id, session_id), p.error_body(code, message, **extra)]
+        )
 
     def run(self, stop) -> None:
         """Serve until `stop` (a threading.Event) is set."""
@@ -84,7 +86,9 @@ class Scheduler:
             log.exception("feed_failed", sessions=len(jobs))
             for job in jobs:
                 self.finish(job)
-                self.error(job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                self.error(
+                    job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+                )
 
     def step(self, job: Job) -> bool:
         """Resume a job up to its next boundary; True if it asks for a Feed."""
@@ -205,7 +209,10 @@ class Scheduler:
             for _ in self.engine.prefill(session):
                 yield
                 if job.cancelled:
-                    raise ProtocolError(ErrorCode.CANCELLED, f"append cancelled; {len(session.pending)} tokens stay queued for the next call")
+                    raise ProtocolError(
+                        ErrorCode.CANCELLED,
+                        f"append cancelled; {len(session.pending)} tokens stay queued for the next call",
+                    )
             self.send(route, Op.FINAL, env.request_id, session.id, p.Appended(
                 new_tokens=new_tokens, history_tokens=len(session.history), prefill_s=time.perf_counter() - started,
                 truncated_tokens=session.dropped,
@@ -228,7 +235,9 @@ class Scheduler:
 
         def emit(job: Job, decoded: Decoded) -> None:
             job.outstanding += bool(job.window)
-            self.send(route, Op.PARTIAL, env.request_id, session.id, p.Chunk(token_ids=[decoded.token], text=decoded.text))
+            self.send(
+                route, Op.PARTIAL, env.request_id, session.id, p.Chunk(token_ids=[decoded.token], text=decoded.text)
+            )
 
         def steps(job: Job):
             queued = len(session.pending)
@@ -242,7 +251,9 @@ class Scheduler:
             reason, text, completion, decode_s = "cancelled", "", 0, 0.0
             if not job.cancelled:
                 started, before = time.perf_counter(), len(session.history)
-                reason, text = yield from self.engine.decode(session, params, lambda d: emit(job, d), lambda: job.cancelled)
+                reason, text = yield from self.engine.decode(
+                    session, params, lambda d: emit(job, d), lambda: job.cancelled
+                )
                 decode_s = time.perf_counter() - started
                 completion = len(session.history) - before
             if chat and job.close_after is None:

@@ -100,7 +100,9 @@ class Worker:
 
     def _heartbeat(self, broker: zmq.Socket) -> None:
         sched = self.scheduler
-        body = p.WorkerHeartbeat(free_slabs=sched.pool.free, running=len(sched.jobs), draining=self.drain_requested.is_set())
+        body = p.WorkerHeartbeat(
+            free_slabs=sched.pool.free, running=len(sched.jobs), draining=self.drain_requested.is_set()
+        )
         broker.send_multipart([b"", p.envelope(Op.HEARTBEAT), p.encode(body)])
 
     def run(self) -> int:
@@ -134,7 +136,11 @@ class Worker:
                 if time.monotonic() > drain_deadline:
                     pipe.send(b"cancel_all")
                     drain_deadline = float("inf")  # cancelled jobs end at their next token
-            events = dict(poller.poll(timeout=max(0, int((next_beat - time.monotonic()) * 1000)) if drain_deadline is None else 50))
+            events = dict(
+                poller.poll(
+                    timeout=max(0, int((next_beat - time.monotonic()) * 1000)) if drain_deadline is None else 50
+                )
+            )
             now = time.monotonic()
             if pipe in events:
                 while pipe.poll(0):

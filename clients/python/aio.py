@@ -24,7 +24,13 @@ class AsyncClient:
     """`async with AsyncClient(endpoint) as client:`; `timeout` (seconds)
     bounds every call and, for a stream, the wait for each frame."""
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = wire.DEFAULT_TIMEOUT_S, context: zmq.asyncio.Context | None = None):
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = wire.DEFAULT_TIMEOUT_S,
+        context: zmq.asyncio.Context | None = None,
+    ):
         self.endpoint = endpoint or paths.default_frontend()
         self.timeout = timeout
         self._ids = itertools.count(1)
@@ -39,7 +45,9 @@ class AsyncClient:
 
     # ------------------------------------------------------------ public API
 
-    async def open_session(self, system: str | None = None, *, timeout: float | None = None, **options: Any) -> AsyncSession:
+    async def open_session(
+        self, system: str | None = None, *, timeout: float | None = None, **options: Any
+    ) -> AsyncSession:
         """See `Client.open_session`."""
         body = wire.open_body(system, **options)
         wait = (timeout or self.timeout) + (body.queue_wait_s or 0.0)
@@ -105,7 +113,9 @@ class AsyncClient:
         except RuntimeError:  # the loop is closed
             pass
 
-    async def _wait(self, rid: int, replies: asyncio.Queue, timeout: float | None, what: str, session_id: str = "") -> wire.Reply:
+    async def _wait(
+        self, rid: int, replies: asyncio.Queue, timeout: float | None, what: str, session_id: str = ""
+    ) -> wire.Reply:
         timeout = self.timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(replies.get(), timeout)
@@ -149,7 +159,13 @@ class AsyncSession:
     def generate(self, *, timeout: float | None = None, **options: Any) -> AsyncStream:
         return AsyncStream(self, wire.generate_body(**options), timeout)
 
-    async def append(self, messages: wire.MessagesLike | None = None, *, token_ids: list[int] | None = None, timeout: float | None = None) -> p.Appended:
+    async def append(
+        self,
+        messages: wire.MessagesLike | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> p.Appended:
         await self._settle()
         return await self.client._call(p.Op.APPEND, self.id, wire.append_body(messages, token_ids), timeout)
 

@@ -28,7 +28,13 @@ class Client:
     """Connection to a kvmux broker. `timeout` (seconds) bounds every call;
     for a stream it bounds the wait for each frame."""
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = wire.DEFAULT_TIMEOUT_S, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = wire.DEFAULT_TIMEOUT_S,
+        context: zmq.Context | None = None,
+    ):
         self.endpoint = endpoint or paths.default_frontend()
         self.timeout = timeout
         self._ids = itertools.count(1)
@@ -115,7 +121,9 @@ class Client:
         if not self._closed:
             self._post(parts_for_id(next(self._ids)))
 
-    def _wait(self, rid: int, replies: queue.SimpleQueue, timeout: float | None, what: str, session_id: str = "") -> wire.Reply:
+    def _wait(
+        self, rid: int, replies: queue.SimpleQueue, timeout: float | None, what: str, session_id: str = ""
+    ) -> wire.Reply:
         timeout = self.timeout if timeout is None else timeout
         try:
             return replies.get(timeout=timeout)
@@ -156,7 +164,11 @@ class Client:
             rid = p.decode_envelope(parts[0]).request_id
             replies = self._calls.pop(rid, None)
             if replies is not None:
-                replies.put(wire.Reply(p.Op.ERROR, rid, "", errors.Timeout("send queue full: is the broker running?", request_id=rid)))
+                replies.put(
+                    wire.Reply(
+                        p.Op.ERROR, rid, "", errors.Timeout("send queue full: is the broker running?", request_id=rid)
+                    )
+                )
 
     def _receive(self) -> None:
         while True:
@@ -199,7 +211,13 @@ class Session:
         self._feed = _Feed(self.client, wire.StreamState(rid, self.id, body.credit), replies, timeout)
         return Stream(self._feed)
 
-    def append(self, messages: wire.MessagesLike | None = None, *, token_ids: list[int] | None = None, timeout: float | None = None) -> p.Appended:
+    def append(
+        self,
+        messages: wire.MessagesLike | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> p.Appended:
         """Append chat messages (rendered with the chat template) or raw token ids."""
         self._settle()
         return self.client._call(p.Op.APPEND, self.id, wire.append_body(messages, token_ids), timeout)

@@ -97,7 +97,9 @@ def unwrap(reply: Reply) -> Any:
 
 
 def timeout_error(what: str, timeout: float, request_id: int, session_id: str = "") -> errors.Timeout:
-    return errors.Timeout(f"no reply to {what} within {timeout:g}s", request_id=request_id, session_id=session_id or None)
+    return errors.Timeout(
+        f"no reply to {what} within {timeout:g}s", request_id=request_id, session_id=session_id or None
+    )
 
 
 class StreamState:

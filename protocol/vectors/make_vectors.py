@@ -47,16 +47,45 @@ def env(op: str, rid: int = 1, sid: str = "") -> p.Envelope:
 
 
 def worker_stats(**kw: Any) -> p.WorkerStats:
-    base = dict(worker_id="w-1", model="smollm2-135m", host="mac.local", pid=4242, slabs_total=8, slabs_used=3,
-                running=1, in_flight=2, sessions=3, frames_forwarded=123456, last_seen_s=0.25)
+    base = dict(
+        worker_id="w-1",
+        model="smollm2-135m",
+        host="mac.local",
+        pid=4242,
+        slabs_total=8,
+        slabs_used=3,
+        running=1,
+        in_flight=2,
+        sessions=3,
+        frames_forwarded=123456,
+        last_seen_s=0.25,
+    )
     return p.WorkerStats(**{**base, **kw})
 
 
 CASES: list[tuple[str, Any]] = [
     # envelopes: every op, empty and full session ids, request ids at each int width
-    *[(f"envelope_{op}", env(op, 7, SID if op in p.SESSION_OPS else "")) for op in
-      [p.Op.OPEN, p.Op.APPEND, p.Op.GENERATE, p.Op.CANCEL, p.Op.CREDIT, p.Op.INFO, p.Op.CLOSE, p.Op.STATS,
-       p.Op.PING, p.Op.DRAIN, p.Op.READY, p.Op.HEARTBEAT, p.Op.DISCONNECT, p.Op.PARTIAL, p.Op.FINAL, p.Op.ERROR]],
+    *[
+        (f"envelope_{op}", env(op, 7, SID if op in p.SESSION_OPS else ""))
+        for op in [
+            p.Op.OPEN,
+            p.Op.APPEND,
+            p.Op.GENERATE,
+            p.Op.CANCEL,
+            p.Op.CREDIT,
+            p.Op.INFO,
+            p.Op.CLOSE,
+            p.Op.STATS,
+            p.Op.PING,
+            p.Op.DRAIN,
+            p.Op.READY,
+            p.Op.HEARTBEAT,
+            p.Op.DISCONNECT,
+            p.Op.PARTIAL,
+            p.Op.FINAL,
+            p.Op.ERROR,
+        ]
+    ],
     ("envelope_rid_zero", env(p.Op.PING, 0)),
     ("envelope_rid_u16", env(p.Op.INFO, 65535, SID)),
     ("envelope_rid_u32", env(p.Op.INFO, 2**32 - 1, SID)),
@@ -64,20 +93,48 @@ CASES: list[tuple[str, Any]] = [
     ("envelope_rid_u64_max", env(p.Op.INFO, 2**64 - 1, SID)),
     # requests
     ("open_empty", p.OpenSession()),
-    ("open_full", p.OpenSession(system=U, sink=4, window=2048,
-                                sampling=p.Sampling(max_tokens=256, temperature=1.0, top_p=0.95, top_k=40, seed=0, stop=["\n\n", "ü", ""]),
-                                admission="queue", queue_wait_s=2.0, client_name="node-example")),
+    (
+        "open_full",
+        p.OpenSession(
+            system=U,
+            sink=4,
+            window=2048,
+            sampling=p.Sampling(max_tokens=256, temperature=1.0, top_p=0.95, top_k=40, seed=0, stop=["\n\n", "ü", ""]),
+            admission="queue",
+            queue_wait_s=2.0,
+            client_name="node-example",
+        ),
+    ),
     ("open_sampling_empty", p.OpenSession(sampling=p.Sampling())),
-    ("append_messages", p.Append(messages=[p.ChatMessage("system", "Be brief."), p.ChatMessage("user", U), p.ChatMessage("assistant", "")])),
+    (
+        "append_messages",
+        p.Append(
+            messages=[p.ChatMessage("system", "Be brief."), p.ChatMessage("user", U), p.ChatMessage("assistant", "")]
+        ),
+    ),
     ("append_token_ids", p.Append(token_ids=[0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, MAX_SAFE])),
     ("append_token_ids_big", p.Append(token_ids=[MAX_SAFE + 2, 2**63, 2**64 - 1])),
-    ("append_token_ids_negative", p.Append(token_ids=[-1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -MAX_SAFE, -(2**63)])),
+    (
+        "append_token_ids_negative",
+        p.Append(token_ids=[-1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -MAX_SAFE, -(2**63)]),
+    ),
     ("append_empty", p.Append()),
     ("append_many", p.Append(token_ids=list(range(300)))),
     ("generate_default_credit", p.Generate(credit=32)),
     ("generate_empty", p.Generate()),
-    ("generate_full", p.Generate(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=2**63 - 1, stop=["</s>", "\n"],
-                                 messages=[p.ChatMessage("user", U)], credit=32)),
+    (
+        "generate_full",
+        p.Generate(
+            max_tokens=16,
+            temperature=1.0,
+            top_p=0.9,
+            top_k=50,
+            seed=2**63 - 1,
+            stop=["</s>", "\n"],
+            messages=[p.ChatMessage("user", U)],
+            credit=32,
+        ),
+    ),
     ("generate_float_zero", p.Generate(temperature=0.0, top_p=1.0, max_tokens=0)),
     ("generate_float_fraction", p.Generate(temperature=0.7, top_p=1e-9, seed=-5)),
     ("generate_long_strings", p.Generate(stop=["x" * 31, "y" * 32, "z" * 255, "w" * 256, "v" * 70000])),
@@ -93,44 +150,169 @@ CASES: list[tuple[str, Any]] = [
     ("drain", p.Drain()),
     ("drain_grace", p.Drain(grace_s=5.0)),
     # worker <-> broker
-    ("worker_ready", p.WorkerReady(model="smollm2-135m", slabs=8, slab_bytes=47_448_064, sink=4, max_window=2048,
-                                   version=1, pid=31337, host="büro-mac", free_slabs=8)),
-    ("worker_ready_big", p.WorkerReady(model="", slabs=0, slab_bytes=2**40, sink=0, max_window=2**31, version=1, pid=1, host="", free_slabs=0)),
+    (
+        "worker_ready",
+        p.WorkerReady(
+            model="smollm2-135m",
+            slabs=8,
+            slab_bytes=47_448_064,
+            sink=4,
+            max_window=2048,
+            version=1,
+            pid=31337,
+            host="büro-mac",
+            free_slabs=8,
+        ),
+    ),
+    (
+        "worker_ready_big",
+        p.WorkerReady(
+            model="", slabs=0, slab_bytes=2**40, sink=0, max_window=2**31, version=1, pid=1, host="", free_slabs=0
+        ),
+    ),
     ("worker_heartbeat", p.WorkerHeartbeat(free_slabs=3, running=1)),
     ("worker_heartbeat_draining", p.WorkerHeartbeat(free_slabs=0, running=0, draining=True)),
     ("disconnect", p.Disconnect()),
     ("disconnect_reason", p.Disconnect(reason="SIGTERM ✓")),
     # replies
-    ("opened", p.SessionOpened(session_id=SID, worker_id="w-1", model="smollm2-135m", sink=4, window=2048, slab_bytes=47_448_064)),
+    (
+        "opened",
+        p.SessionOpened(
+            session_id=SID, worker_id="w-1", model="smollm2-135m", sink=4, window=2048, slab_bytes=47_448_064
+        ),
+    ),
     ("appended", p.Appended(new_tokens=12, history_tokens=40, prefill_s=0.0, truncated_tokens=0)),
     ("appended_truncated", p.Appended(new_tokens=3000, history_tokens=2052, prefill_s=17.25, truncated_tokens=948)),
     ("chunk", p.Chunk(token_ids=[28, 1130], text=" wörld")),
     ("chunk_emoji", p.Chunk(token_ids=[216, 126, 104, 236], text="🦙")),
     ("chunk_empty", p.Chunk(token_ids=[], text="")),
-    *[(f"result_{reason}", p.GenerateResult(stop_reason=reason, prompt_tokens=14, completion_tokens=16, prefill_s=0.082,
-                                            decode_s=1.5, truncated_tokens=0, history_tokens=30))
-      for reason in ("eos", "max_tokens", "stop", "cancelled")],
-    ("result_zero", p.GenerateResult(stop_reason="cancelled", prompt_tokens=0, completion_tokens=0, prefill_s=0.0,
-                                     decode_s=0.0, truncated_tokens=2**33, history_tokens=2052)),
-    ("info_reply", p.SessionInfo(session_id=SID, worker_id="w-1", history_tokens=30, cached_tokens=30, kv_live_bytes=691200,
-                                 slab_bytes=47_448_064, truncated_tokens=0, idle_s=1.0, sink=4, window=2048, busy=False, messages=3)),
-    ("info_reply_token_ids", p.SessionInfo(session_id=SID, worker_id="w-1", history_tokens=3, cached_tokens=3, kv_live_bytes=2**34,
-                                           slab_bytes=2**34, truncated_tokens=0, idle_s=0.5, sink=4, window=2048, busy=True,
-                                           messages=1, token_ids=[1, 2, 3])),
-    ("info_reply_token_ids_empty", p.SessionInfo(session_id=SID, worker_id="w-1", history_tokens=0, cached_tokens=0, kv_live_bytes=0,
-                                                 slab_bytes=1, truncated_tokens=0, idle_s=0.0, sink=0, window=1, busy=False,
-                                                 messages=0, token_ids=[])),
+    *[
+        (
+            f"result_{reason}",
+            p.GenerateResult(
+                stop_reason=reason,
+                prompt_tokens=14,
+                completion_tokens=16,
+                prefill_s=0.082,
+                decode_s=1.5,
+                truncated_tokens=0,
+                history_tokens=30,
+            ),
+        )
+        for reason in ("eos", "max_tokens", "stop", "cancelled")
+    ],
+    (
+        "result_zero",
+        p.GenerateResult(
+            stop_reason="cancelled",
+            prompt_tokens=0,
+            completion_tokens=0,
+            prefill_s=0.0,
+            decode_s=0.0,
+            truncated_tokens=2**33,
+            history_tokens=2052,
+        ),
+    ),
+    (
+        "info_reply",
+        p.SessionInfo(
+            session_id=SID,
+            worker_id="w-1",
+            history_tokens=30,
+            cached_tokens=30,
+            kv_live_bytes=691200,
+            slab_bytes=47_448_064,
+            truncated_tokens=0,
+            idle_s=1.0,
+            sink=4,
+            window=2048,
+            busy=False,
+            messages=3,
+        ),
+    ),
+    (
+        "info_reply_token_ids",
+        p.SessionInfo(
+            session_id=SID,
+            worker_id="w-1",
+            history_tokens=3,
+            cached_tokens=3,
+            kv_live_bytes=2**34,
+            slab_bytes=2**34,
+            truncated_tokens=0,
+            idle_s=0.5,
+            sink=4,
+            window=2048,
+            busy=True,
+            messages=1,
+            token_ids=[1, 2, 3],
+        ),
+    ),
+    (
+        "info_reply_token_ids_empty",
+        p.SessionInfo(
+            session_id=SID,
+            worker_id="w-1",
+            history_tokens=0,
+            cached_tokens=0,
+            kv_live_bytes=0,
+            slab_bytes=1,
+            truncated_tokens=0,
+            idle_s=0.0,
+            sink=0,
+            window=1,
+            busy=False,
+            messages=0,
+            token_ids=[],
+        ),
+    ),
     ("closed", p.Closed(session_id=SID)),
     ("ack", p.Ack()),
     ("pong", p.Pong(time=1732212345.125)),
-    ("stats_empty", p.BrokerStats(version=1, uptime_s=0.0, workers=[], sessions=0, in_flight=0, frames_forwarded=0,
-                                  slabs_total=0, slabs_used=0)),
-    ("stats_full", p.BrokerStats(version=1, uptime_s=3600.5, workers=[worker_stats(), worker_stats(worker_id="w-2", host="日本")],
-                                 sessions=3, in_flight=2, frames_forwarded=2**40, slabs_total=16, slabs_used=3, queue_depth=2,
-                                 admitted=100, rejected=4, expired=1, queue_wait_p50_s=0.01, queue_wait_p99_s=2.0, draining=True)),
+    (
+        "stats_empty",
+        p.BrokerStats(
+            version=1,
+            uptime_s=0.0,
+            workers=[],
+            sessions=0,
+            in_flight=0,
+            frames_forwarded=0,
+            slabs_total=0,
+            slabs_used=0,
+        ),
+    ),
+    (
+        "stats_full",
+        p.BrokerStats(
+            version=1,
+            uptime_s=3600.5,
+            workers=[worker_stats(), worker_stats(worker_id="w-2", host="日本")],
+            sessions=3,
+            in_flight=2,
+            frames_forwarded=2**40,
+            slabs_total=16,
+            slabs_used=3,
+            queue_depth=2,
+            admitted=100,
+            rejected=4,
+            expired=1,
+            queue_wait_p50_s=0.01,
+            queue_wait_p99_s=2.0,
+            draining=True,
+        ),
+    ),
     *[(f"error_{code.value}", p.Error(code=code, message=f"{code.value}: {U}")) for code in p.ErrorCode],
-    ("error_overloaded_full", p.Error(code=p.ErrorCode.OVERLOADED, message="no free slab", reason=p.OverloadReason.QUEUE_TIMEOUT.value,
-                                      retry_after_s=1.0, queue_depth=8)),
+    (
+        "error_overloaded_full",
+        p.Error(
+            code=p.ErrorCode.OVERLOADED,
+            message="no free slab",
+            reason=p.OverloadReason.QUEUE_TIMEOUT.value,
+            retry_after_s=1.0,
+            queue_depth=8,
+        ),
+    ),
 ]
 
 
@@ -237,22 +419,23 @@ def ts_schema() -> str:
         "// Generated by protocol/vectors/make_vectors.py from protocol/messages.py: do not edit.\n"
         "// Field tables in wire order: [name, type] (required) or [name, type, default]; a field\n"
         "// equal to its default is omitted, as msgspec's omit_defaults does.\n\n"
-        "import type { StructTable } from \"./codec.js\";\n\n"
+        'import type { StructTable } from "./codec.js";\n\n'
         f"export const PROTOCOL_VERSION = {p.PROTOCOL_VERSION};\n"
         f"export const HEARTBEAT_INTERVAL_S = {p.HEARTBEAT_INTERVAL_S};\n\n"
         f"export const Op = {json.dumps(ops, indent=2)} as const;\n\n"
         f"export const ERROR_CODES = {json.dumps([c.value for c in p.ErrorCode])} as const;\n\n"
         f"export const SCHEMAS: Record<string, StructTable> = {body};\n\n"
         "// Message shapes with camelCase keys, as the client takes and returns them. Ints beyond\n"
-        "// 2**53 travel as bigint.\n\n"
-        + ts_interfaces()
+        "// 2**53 travel as bigint.\n\n" + ts_interfaces()
     )
 
 
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     entries, files = manifest()
-    files["manifest.json"] = (json.dumps({"version": p.PROTOCOL_VERSION, "vectors": entries}, indent=1, ensure_ascii=False) + "\n").encode()
+    files["manifest.json"] = (
+        json.dumps({"version": p.PROTOCOL_VERSION, "vectors": entries}, indent=1, ensure_ascii=False) + "\n"
+    ).encode()
     outputs = {HERE / name: raw for name, raw in files.items()}
     outputs[TS_SCHEMA] = ts_schema().encode()
     stale = [path for path, raw in outputs.items() if not path.exists() or path.read_bytes() != raw]

@@ -1,7 +1,7 @@
 """Three concurrent sessions on one asyncio client, one cancelled mid-reply.
 
-    kvmux serve --slabs 4 &
-    python clients/python/examples/async_chat.py [ENDPOINT]
+kvmux serve --slabs 4 &
+python clients/python/examples/async_chat.py [ENDPOINT]
 """
 
 import asyncio

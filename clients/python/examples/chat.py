@@ -28,8 +28,10 @@ with Client(endpoint, timeout=60) as client:
             except KeyboardInterrupt:
                 stream.close()  # cancels the reply; the session stays usable
             r = stream.result
-            print(f"\n[{r.stop_reason}: {r.prompt_tokens} prompt tokens in {r.prefill_s:.2f}s, "
-                  f"{r.completion_tokens} tokens in {r.decode_s:.2f}s]")
+            print(
+                f"\n[{r.stop_reason}: {r.prompt_tokens} prompt tokens in {r.prefill_s:.2f}s, "
+                f"{r.completion_tokens} tokens in {r.decode_s:.2f}s]"
+            )
         # Cancel: stop after the first few chunks.
         stream = session.chat("Count from one to fifty in words.")
         for i, chunk in enumerate(stream):
@@ -39,7 +41,9 @@ with Client(endpoint, timeout=60) as client:
         stream.close()
         print(f" ... [{stream.result.stop_reason}]")
         info = session.info()
-        print(f"history {info.history_tokens} tokens, KV {info.kv_live_bytes / 1e6:.1f} MB live of {info.slab_bytes / 1e6:.1f} MB")
+        print(
+            f"history {info.history_tokens} tokens, KV {info.kv_live_bytes / 1e6:.1f} MB live of {info.slab_bytes / 1e6:.1f} MB"
+        )
     try:
         session.info()
     except KvmuxError as exc:  # closed: SessionNotFound
