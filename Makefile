@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make serve   set everything up, then run the daemon on the embedded model
-#   make test    set everything up, then run the whole test suite (pytest runs
+#   make test    set everything up, lint, then run the whole test suite (pytest runs
 #                the Node client's `node --test` suite against a real stack too)
 # Both are idempotent: a second run installs nothing and says nothing.
 
@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 TS := clients/typescript
 
-.PHONY: setup serve test
+.PHONY: setup serve test lint
 
 setup: $(VENV)/.setup
 
@@ -38,5 +38,9 @@ $(TS)/node_modules/.setup: $(TS)/package.json $(TS)/package-lock.json
 serve: setup
 	$(BIN)/kvmux serve
 
-test: $(VENV)/.test-setup $(TS)/node_modules/.setup
+# ruff's formatter and linter over the whole tree (rules in pyproject.toml).
+lint: $(VENV)/.test-setup
+	@$(BIN)/ruff format --check --quiet . && $(BIN)/ruff check --quiet .
+
+test: lint $(VENV)/.test-setup $(TS)/node_modules/.setup
 	@$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

@@ -39,7 +39,9 @@ def queued_opens(client: Client, slabs: int, rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
         opened: list = []
-        waiter = threading.Thread(target=lambda: opened.append((client.open_session(), time.perf_counter())))
+        waiter = threading.Thread(
+            target=lambda opened=opened: opened.append((client.open_session(), time.perf_counter()))
+        )
         waiter.start()
         time.sleep(0.3)  # the open is queued by now
         released = time.perf_counter()

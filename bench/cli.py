@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -30,24 +29,22 @@ def _print_summary(title: str, summary: dict | None, error: str | None) -> None:
 
 @bench_app.command()
 def soak(
-    turns: Optional[int] = typer.Option(100, help="Turns per session (0: until --duration-s)."),
-    duration_s: Optional[float] = typer.Option(None, help="Stop after this many seconds, whatever the turn count."),
+    turns: int | None = typer.Option(100, help="Turns per session (0: until --duration-s)."),
+    duration_s: float | None = typer.Option(None, help="Stop after this many seconds, whatever the turn count."),
     turn_spacing_s: float = typer.Option(0.0, help="Pause between a session's turns."),
     sessions: int = typer.Option(1, help="Concurrent sessions."),
     max_tokens: int = typer.Option(16, help="Reply length per turn."),
     window: int = typer.Option(256, help="Session window (tokens kept after the sink)."),
-    sink: Optional[int] = typer.Option(None, help="Session sink (default: the worker's)."),
-    system: Optional[str] = typer.Option(None, help="System prompt (default: the chat template's)."),
-    baseline: Optional[str] = typer.Option(None, help="'reprefill': also run each turn as a stateless server would."),
+    sink: int | None = typer.Option(None, help="Session sink (default: the worker's)."),
+    system: str | None = typer.Option(None, help="System prompt (default: the chat template's)."),
+    baseline: str | None = typer.Option(None, help="'reprefill': also run each turn as a stateless server would."),
     baseline_every: int = typer.Option(1, help="Run the baseline on every Nth turn only."),
-    baseline_context: Optional[int] = typer.Option(
+    baseline_context: int | None = typer.Option(
         None, help="Tokens of history the baseline re-sends at most (default: sink + window)."
     ),
-    endpoint: Optional[str] = typer.Option(
-        None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."
-    ),
+    endpoint: str | None = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
     spawn: bool = typer.Option(False, "--spawn", help="Start a private `kvmux serve` for this run."),
-    model: Optional[str] = typer.Option(None, help="With --spawn: the model (default: embedded SmolLM2)."),
+    model: str | None = typer.Option(None, help="With --spawn: the model (default: embedded SmolLM2)."),
     output: Path = typer.Option(Path("soak.json"), help="Report path; the plot goes next to it (.png)."),
     checkpoint_s: float = typer.Option(10.0, help="Rewrite the report at least this often."),
     timeout_s: float = typer.Option(120.0, help="Per-call client timeout."),
@@ -56,7 +53,8 @@ def soak(
     """Walk sessions through many turns and check latency, prefill and KV/RSS stay flat."""
     from kvmux import logs, paths
 
-    from . import plot, spawn as spawn_mod
+    from . import plot
+    from . import spawn as spawn_mod
     from .soak import Soak, SoakConfig
     from .summary import verdicts_pass
 
@@ -96,7 +94,7 @@ def soak(
 
 @bench_app.command()
 def perf(
-    model: Optional[str] = typer.Option(None, help="GGUF file or mlx-lm directory (default: embedded SmolLM2)."),
+    model: str | None = typer.Option(None, help="GGUF file or mlx-lm directory (default: embedded SmolLM2)."),
     decode_tokens: int = typer.Option(48, help="Tokens per decode measurement."),
     window: int = typer.Option(256, help="Session window (and the bare cache's size, plus the sink)."),
     sink: int = typer.Option(4, help="Session sink."),

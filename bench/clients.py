@@ -41,8 +41,12 @@ def python_client(endpoint: str, info_calls: int, chats: int) -> dict:
 def node_client(endpoint: str, info_calls: int, chats: int) -> dict:
     out = subprocess.run(
         ["node", "bench/latency.mjs", endpoint, str(info_calls), str(chats)],
-        cwd=NODE_PACKAGE, capture_output=True, text=True, check=True, timeout=600,
-    )  # fmt: skip
+        cwd=NODE_PACKAGE,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

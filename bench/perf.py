@@ -95,7 +95,7 @@ def sessions_throughput(client: Client, cfg: PerfConfig) -> dict:
             counts = [0] * n
             barrier = threading.Barrier(n + 1)
 
-            def run(i: int) -> None:
+            def run(i: int, barrier=barrier, sessions=sessions, counts=counts) -> None:  # this round's
                 barrier.wait()
                 stream = sessions[i].generate(max_tokens=cfg.session_tokens)
                 for _ in stream:

@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+import matplotlib.pyplot as plt
 
 _MODES = (("turns", "session (kvmux)", "tab:blue"), ("baseline", "re-prefill (stateless)", "tab:orange"))
 

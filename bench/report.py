@@ -12,9 +12,10 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 SCHEMA = 1
 

@@ -12,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from kvmux.client import Client, KvmuxError
 

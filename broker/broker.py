@@ -15,11 +15,14 @@ import itertools
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import ClassVar
 
 import msgspec
 import zmq
+
+from kvmux import logs
 from kvmux.protocol import (
     PROTOCOL_VERSION,
     REPLY_OPS,
@@ -42,8 +45,6 @@ from kvmux.protocol import (
     envelope,
     error_body,
 )
-
-from kvmux import logs
 
 from . import endpoints
 from .admission import Admission, PendingOpen, Refusal
@@ -291,7 +292,7 @@ class Broker:
         self._reply(route, env, Ack())
         self._start_drain(self.cfg.drain_grace_s if grace is None else grace, now)
 
-    _handlers = {Op.OPEN: _open, Op.CANCEL: _cancel, Op.STATS: _stats, Op.PING: _ping, Op.DRAIN: _drain_op}
+    _handlers: ClassVar = {Op.OPEN: _open, Op.CANCEL: _cancel, Op.STATS: _stats, Op.PING: _ping, Op.DRAIN: _drain_op}
 
     def _session(self, session_id: str) -> Session:
         if not session_id:

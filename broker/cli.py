@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Optional
 
 import msgspec
 import typer
@@ -19,30 +18,30 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    config: Optional[Path] = typer.Option(
+    config: Path | None = typer.Option(
         None, "--config", help="TOML file with any of the settings below (options given here win)."
     ),
-    frontend: Optional[str] = typer.Option(None, help="Client endpoint to bind (default: ipc under the runtime dir)."),
-    backend: Optional[str] = typer.Option(
+    frontend: str | None = typer.Option(None, help="Client endpoint to bind (default: ipc under the runtime dir)."),
+    backend: str | None = typer.Option(
         None, help="Worker endpoint to bind, e.g. tcp://0.0.0.0:5556 for remote workers."
     ),
-    workers: Optional[int] = typer.Option(None, help="Local worker processes to start (0: broker only) (default: 1)."),
-    slabs: Optional[int] = typer.Option(None, help="Slabs (live sessions) per local worker (default: 4)."),
-    model: Optional[str] = typer.Option(
+    workers: int | None = typer.Option(None, help="Local worker processes to start (0: broker only) (default: 1)."),
+    slabs: int | None = typer.Option(None, help="Slabs (live sessions) per local worker (default: 4)."),
+    model: str | None = typer.Option(
         None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."
     ),
-    admission: Optional[str] = typer.Option(None, help="When no slab is free: reject | queue (default: reject)."),
-    queue_depth: Optional[int] = typer.Option(None, help="Most opens waiting in the queue (default: 64)."),
-    queue_wait_s: Optional[float] = typer.Option(None, help="Longest an open waits in the queue (default: 30)."),
-    client_quota: Optional[int] = typer.Option(
+    admission: str | None = typer.Option(None, help="When no slab is free: reject | queue (default: reject)."),
+    queue_depth: int | None = typer.Option(None, help="Most opens waiting in the queue (default: 64)."),
+    queue_wait_s: float | None = typer.Option(None, help="Longest an open waits in the queue (default: 30)."),
+    client_quota: int | None = typer.Option(
         None, help="Live sessions per client identity, 0 = unlimited (default: 0)."
     ),
-    idle_timeout_s: Optional[float] = typer.Option(None, help="Close sessions idle this long, 0 = never (default: 0)."),
-    drain_grace_s: Optional[float] = typer.Option(
+    idle_timeout_s: float | None = typer.Option(None, help="Close sessions idle this long, 0 = never (default: 0)."),
+    drain_grace_s: float | None = typer.Option(
         None, help="On SIGTERM/drain, how long running generations may finish (default: 10)."
     ),
-    heartbeat_s: Optional[float] = typer.Option(None, help="Heartbeat interval with workers (default: 1)."),
-    max_frame_bytes: Optional[int] = typer.Option(None, help="Largest client frame accepted (default: 8 MiB)."),
+    heartbeat_s: float | None = typer.Option(None, help="Heartbeat interval with workers (default: 1)."),
+    max_frame_bytes: int | None = typer.Option(None, help="Largest client frame accepted (default: 8 MiB)."),
 ) -> None:
     """Run the broker, with --workers local worker processes."""
     from .broker import Broker
@@ -94,9 +93,7 @@ def serve(
 
 
 def stats(
-    endpoint: Optional[str] = typer.Option(
-        None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."
-    ),
+    endpoint: str | None = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
     json: bool = typer.Option(False, "--json", help="Print the raw stats as JSON."),
     timeout_s: float = typer.Option(3.0, help="Give up after this long."),
 ) -> None:
@@ -116,12 +113,8 @@ def stats(
 
 
 def drain(
-    endpoint: Optional[str] = typer.Option(
-        None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."
-    ),
-    grace_s: Optional[float] = typer.Option(
-        None, help="How long running generations may finish (default: the daemon's)."
-    ),
+    endpoint: str | None = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    grace_s: float | None = typer.Option(None, help="How long running generations may finish (default: the daemon's)."),
     timeout_s: float = typer.Option(3.0, help="Give up after this long."),
 ) -> None:
     """Drain the broker: admit nothing new, finish or cancel what runs, exit."""
@@ -162,7 +155,10 @@ def format_stats(s) -> str:
         for w in s.workers
     ]
     if not rows:
-        return "\n".join(lines + ["no workers registered"])
+        return "\n".join([*lines, "no workers registered"])
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)]
+    lines += [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
+        for row in (header, *rows)
+    ]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import msgspec
+
 from kvmux.protocol import DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]

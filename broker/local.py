@@ -54,9 +54,9 @@ class LocalWorkers:
         for index in range(self.cfg.workers):
             # Own process group: Ctrl-C in the terminal reaches the broker
             # only, which then drains and stops the workers in order.
-            proc = subprocess.Popen(
-                self.command(index), env=self.env(), start_new_session=True, preexec_fn=_die_with_parent
-            )
+            # preexec_fn only calls prctl: no locks a thread could hold.
+            cmd, env = self.command(index), self.env()
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
             self.procs.append(proc)
             log.info("local worker started", index=index, pid=proc.pid)
 

@@ -7,8 +7,6 @@ cache, `/reset` starts a fresh session, `/quit` leaves.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from kvmux.paths import default_frontend
@@ -18,10 +16,10 @@ def chat(
     endpoint: str = typer.Option(
         None, "--endpoint", "-e", help="Broker frontend. [default: the local daemon's, or $KVMUX_ENDPOINT]"
     ),
-    system: Optional[str] = typer.Option(None, help="System prompt."),
+    system: str | None = typer.Option(None, help="System prompt."),
     max_tokens: int = typer.Option(512, min=1, help="Longest reply."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
-    window: Optional[int] = typer.Option(None, min=1, help="Sliding window of the session (tokens)."),
+    window: int | None = typer.Option(None, min=1, help="Sliding window of the session (tokens)."),
 ) -> None:
     """Chat with the daemon from the terminal."""
     from kvmux.client import Client, KvmuxError

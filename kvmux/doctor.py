@@ -61,7 +61,7 @@ def doctor(
             stats = client.stats()
     except KvmuxError as exc:
         line("broker", f"{frontend}: {type(exc).__name__}: {exc}", False)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     line("broker", f"{frontend} up {stats.uptime_s:.0f}s, {len(stats.workers)} workers, backend {default_backend()}")
     local = platform.node()
     for w in stats.workers:

@@ -19,5 +19,5 @@ from .codec import (  # noqa: F401  (the package re-exports its API)
     envelope,
     error_body,
 )
-from .errors import ErrorCode, OverloadReason  # noqa: F401
-from .messages import *  # noqa: F401,F403  (the message Structs are the API)
+from .errors import ErrorCode, OverloadReason, StopReason  # noqa: F401
+from .messages import *  # noqa: F403  (the message Structs are the API)

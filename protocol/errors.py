@@ -1,4 +1,5 @@
-"""Typed error codes shared by the broker, the workers and both clients."""
+"""The protocol's enumerations: typed error codes, overload reasons and stop
+reasons, shared by the broker, the workers and both clients."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ class OverloadReason(str, enum.Enum):
     QUEUE_TIMEOUT = "queue_timeout"
     QUOTA = "quota"
     DRAINING = "draining"
+
+
+class StopReason(str, enum.Enum):
+    """Why a generation ended (GenerateResult.stop_reason)."""
+
+    EOS = "eos"  # the model's end-of-sequence token
+    MAX_TOKENS = "max_tokens"
+    STOP = "stop"  # a stop string matched (it is not sent)
+    CANCELLED = "cancelled"

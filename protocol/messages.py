@@ -8,11 +8,9 @@ omitted on the wire.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
-from .errors import ErrorCode
+from .errors import ErrorCode, StopReason
 
 
 class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -155,7 +153,7 @@ class Chunk(Reply, tag="chunk"):
 
 
 class GenerateResult(Reply, tag="result"):
-    stop_reason: str  # eos | max_tokens | stop | cancelled
+    stop_reason: StopReason
     prompt_tokens: int  # tokens prefilled by this call
     completion_tokens: int
     prefill_s: float
@@ -232,15 +230,4 @@ class Error(Reply, tag="error"):
     queue_depth: int | None = None
 
 
-ReplyBody = Union[
-    SessionOpened,
-    Appended,
-    Chunk,
-    GenerateResult,
-    SessionInfo,
-    Closed,
-    Ack,
-    Pong,
-    BrokerStats,
-    Error,
-]
+ReplyBody = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Closed | Ack | Pong | BrokerStats | Error

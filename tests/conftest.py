@@ -73,9 +73,9 @@ class Stack:
         self.wait_workers(workers)
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "ab")
         env = {**os.environ, "KVMUX_LOG_LEVEL": os.environ.get("KVMUX_LOG_LEVEL", "info")}
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with open(self.dir / f"{name}.log", "ab") as log:  # the child keeps its own copy of the fd
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def add_worker(
         self, *args: str, slabs: int | None = None, backend: str | None = None, wait: bool = True

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import Stack
+
 from kvmux.client import Client, Overloaded
 
 CLIENTS = 20
@@ -86,9 +87,9 @@ def test_queue_serves_everyone_in_order(stack):
         thread.start()
         if i < 4:  # the four that get a slab at once
             with changed:
-                assert changed.wait_for(lambda: len(opened) == i + 1, 30)
+                assert changed.wait_for(lambda i=i: len(opened) == i + 1, 30)
         else:  # queued one after the other: arrival order is known
-            _wait_for(lambda: stack.stats().queue_depth == i - 3)
+            _wait_for(lambda i=i: stack.stats().queue_depth == i - 3)
     all_queued.set()
     for thread in threads:
         thread.join(120)

@@ -8,10 +8,10 @@ import time
 
 import pytest
 from conftest import Stack
-from kvmux.protocol import ErrorCode, Op
 from test_broker_frames import Raw, expect_error
 
 from kvmux import protocol as p
+from kvmux.protocol import ErrorCode, Op
 
 
 @pytest.fixture(scope="module")

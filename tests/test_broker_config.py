@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 from conftest import kvmux_command
+
 from kvmux.broker.admission import percentiles
 from kvmux.broker.config import BrokerConfig, ConfigError, load
 
@@ -46,7 +47,7 @@ def test_bad_values_are_named(tmp_path, toml, overrides, expected):
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read config .*nope.toml"):
+    with pytest.raises(ConfigError, match=r"cannot read config .*nope\.toml"):
         load(tmp_path / "nope.toml")
 
 

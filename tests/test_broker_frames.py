@@ -13,9 +13,9 @@ import msgspec
 import pytest
 import zmq
 from conftest import kvmux_command
-from kvmux.protocol import ErrorCode, Op
 
 from kvmux import protocol as p
+from kvmux.protocol import ErrorCode, Op
 
 
 class Raw:

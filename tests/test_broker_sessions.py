@@ -8,11 +8,11 @@ import time
 
 import pytest
 from conftest import Stack
-from kvmux.client import Client, SessionExpired
-from kvmux.protocol import Op
 from test_broker_frames import Raw
 
 from kvmux import protocol as p
+from kvmux.client import Client, SessionExpired
+from kvmux.protocol import Op
 
 IDLE_S = 1.0
 

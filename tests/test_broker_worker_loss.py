@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvmux.client import Client, SessionNotFound, WorkerLost
 
 from kvmux import protocol as p
+from kvmux.client import Client, SessionNotFound, WorkerLost
 
 
 def test_worker_killed_mid_generation(stack_factory):

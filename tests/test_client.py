@@ -31,7 +31,7 @@ from kvmux.client import (
 )
 from kvmux.client.sync import Session
 
-SHORT = dict(max_tokens=8)
+SHORT = {"max_tokens": 8}
 
 
 @pytest.fixture(scope="module")
@@ -211,9 +211,8 @@ def test_cancelled_append(client):
 
 def test_dead_broker_is_a_timeout(tmp_path):
     started = time.monotonic()
-    with Client(f"ipc://{tmp_path}/nobody.ipc", timeout=0.5) as c:
-        with pytest.raises(Timeout) as err:
-            c.ping()
+    with Client(f"ipc://{tmp_path}/nobody.ipc", timeout=0.5) as c, pytest.raises(Timeout) as err:
+        c.ping()
     assert isinstance(err.value, TimeoutError) and time.monotonic() - started < 5
 
 

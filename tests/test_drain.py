@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import STARTUP_TIMEOUT_S, broker_stats, kvmux_command
+
 from kvmux.client import Client, Overloaded
 
 GRACE_S = 2.0
@@ -74,10 +75,10 @@ def test_serve_with_local_workers_drains_on_the_drain_op():
     env.pop("KVMUX_ENDPOINT", None)
     env.pop("KVMUX_BACKEND", None)
     endpoint = f"ipc://{rt}/frontend.ipc"
-    log = open(runtime / "serve.log", "wb")
-    serve = subprocess.Popen(
-        kvmux_command("serve", "--workers", "1", "--slabs", "1"), env=env, stdout=log, stderr=subprocess.STDOUT
-    )
+    with open(runtime / "serve.log", "wb") as log:
+        serve = subprocess.Popen(
+            kvmux_command("serve", "--workers", "1", "--slabs", "1"), env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while (stats := broker_stats(endpoint, 1.0)) is None or not stats.workers:
@@ -105,5 +106,4 @@ def test_serve_with_local_workers_drains_on_the_drain_op():
         if serve.poll() is None:
             serve.kill()
             serve.wait()
-        log.close()
         shutil.rmtree(runtime, ignore_errors=True)

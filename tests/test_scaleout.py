@@ -4,6 +4,7 @@ takes the next sessions at once; killing it fails only its own sessions."""
 from __future__ import annotations
 
 import pytest
+
 from kvmux.client import Client, Overloaded, SessionNotFound, WorkerLost
 
 

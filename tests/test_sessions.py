@@ -199,7 +199,7 @@ def test_streamed_text_never_splits_a_character(client, hf_tokenizer):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(temperature=-1), dict(top_p=0.0), dict(top_k=-2), dict(max_tokens=0), dict(stop=[""])],
+    [{"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"max_tokens": 0}, {"stop": [""]}],
 )
 def test_bad_sampling_options_are_invalid_arguments(client, options):
     with client.open_session() as session:

@@ -13,7 +13,7 @@ architectures decode one session at a time.
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.models import llama
 from mlx_lm.models.base import scaled_dot_product_attention
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from kvmux import protocol as p
@@ -15,12 +13,12 @@ def worker(
         None, "--connect", help="Broker backend endpoint (ipc:// or tcp://). [default: the local daemon's]"
     ),
     slabs: int = typer.Option(4, min=1, help="Sessions this worker holds at once (one KV slab each)."),
-    model: Optional[str] = typer.Option(
+    model: str | None = typer.Option(
         None, help="GGUF file or local mlx-lm model directory. [default: embedded SmolLM2-135M-Instruct]"
     ),
     sink: int = typer.Option(4, min=0, help="Largest attention-sink size a session may ask for (and the default)."),
     window: int = typer.Option(2048, min=1, help="Largest sliding window a session may ask for (and the default)."),
-    worker_id: Optional[str] = typer.Option(None, help="Routing id shown in stats. [default: HOST-PID]"),
+    worker_id: str | None = typer.Option(None, help="Routing id shown in stats. [default: HOST-PID]"),
     heartbeat_s: float = typer.Option(p.HEARTBEAT_INTERVAL_S, min=0.05, help="Heartbeat interval."),
     grace_s: float = typer.Option(
         30.0, min=0, help="On SIGTERM, how long running generations may finish before they are cancelled."
@@ -35,9 +33,15 @@ def worker(
 
     logs.configure()
     config = WorkerConfig(
-        connect=connect or default_backend(), slabs=slabs, model=model, sink=sink, window=window,
-        worker_id=worker_id, heartbeat_s=heartbeat_s, grace_s=grace_s,
-    )  # fmt: skip
+        connect=connect or default_backend(),
+        slabs=slabs,
+        model=model,
+        sink=sink,
+        window=window,
+        worker_id=worker_id,
+        heartbeat_s=heartbeat_s,
+        grace_s=grace_s,
+    )
     raise typer.Exit(Worker(config).run())
 
 

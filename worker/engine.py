@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler

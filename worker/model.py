@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux import logs

@@ -7,8 +7,9 @@ of a round run as one batched forward pass."""
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Generator
+from typing import ClassVar
 
 import mlx.core as mx
 import zmq
@@ -80,7 +81,7 @@ class Scheduler:
     def feed(self, jobs: list[Job]) -> None:
         """One forward pass for every session that is decoding now."""
         try:
-            for job, logits in zip(jobs, self.engine.feed([job.feed for job in jobs])):
+            for job, logits in zip(jobs, self.engine.feed([job.feed for job in jobs]), strict=False):
                 job.logits = logits
         except Exception as exc:
             log.exception("feed_failed", sessions=len(jobs))
@@ -170,10 +171,20 @@ class Scheduler:
             raise
         self.sessions[session.id] = session
         log.info("session_opened", session=session.id, sink=session.sink, window=session.window)
-        self.send(route, Op.FINAL, env.request_id, session.id, p.SessionOpened(
-            session_id=session.id, worker_id=self.worker_id, model=self.engine.loaded.model_id,
-            sink=session.sink, window=session.window, slab_bytes=self.engine.slab_bytes(session.sink, session.window),
-        ))  # fmt: skip
+        self.send(
+            route,
+            Op.FINAL,
+            env.request_id,
+            session.id,
+            p.SessionOpened(
+                session_id=session.id,
+                worker_id=self.worker_id,
+                model=self.engine.loaded.model_id,
+                sink=session.sink,
+                window=session.window,
+                slab_bytes=self.engine.slab_bytes(session.sink, session.window),
+            ),
+        )
 
     def ensure_idle(self, session: Session) -> None:
         """Refuse a new append/generate before it changes anything."""
@@ -213,10 +224,18 @@ class Scheduler:
                         ErrorCode.CANCELLED,
                         f"append cancelled; {len(session.pending)} tokens stay queued for the next call",
                     )
-            self.send(route, Op.FINAL, env.request_id, session.id, p.Appended(
-                new_tokens=new_tokens, history_tokens=len(session.history), prefill_s=time.perf_counter() - started,
-                truncated_tokens=session.dropped,
-            ))  # fmt: skip
+            self.send(
+                route,
+                Op.FINAL,
+                env.request_id,
+                session.id,
+                p.Appended(
+                    new_tokens=new_tokens,
+                    history_tokens=len(session.history),
+                    prefill_s=time.perf_counter() - started,
+                    truncated_tokens=session.dropped,
+                ),
+            )
 
         self.start(route, env, session, steps)
 
@@ -265,11 +284,21 @@ class Scheduler:
                 session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
                 if reason != "cancelled" or completion:
                     yield from self.engine.prefill(session)
-            self.send(route, Op.FINAL, env.request_id, session.id, p.GenerateResult(
-                stop_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion,
-                prefill_s=prefill_s, decode_s=decode_s, truncated_tokens=session.dropped,
-                history_tokens=len(session.history) + len(session.pending),
-            ))  # fmt: skip
+            self.send(
+                route,
+                Op.FINAL,
+                env.request_id,
+                session.id,
+                p.GenerateResult(
+                    stop_reason=reason,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion,
+                    prefill_s=prefill_s,
+                    decode_s=decode_s,
+                    truncated_tokens=session.dropped,
+                    history_tokens=len(session.history) + len(session.pending),
+                ),
+            )
 
         self.start(route, env, session, steps, window=body.credit)
 
@@ -287,15 +316,27 @@ class Scheduler:
             job.outstanding = max(0, job.outstanding - body.n)
 
     def info(self, route: bytes, env: p.Envelope, body: p.Info, session: Session) -> None:
-        self.send(route, Op.FINAL, env.request_id, session.id, p.SessionInfo(
-            session_id=session.id, worker_id=self.worker_id,
-            history_tokens=len(session.history) + len(session.pending), cached_tokens=session.slab[0].size(),
-            kv_live_bytes=session.kv_live_bytes, slab_bytes=self.engine.slab_bytes(session.sink, session.window),
-            truncated_tokens=session.dropped, idle_s=0.0 if session.id in self.jobs else time.monotonic() - session.last_used,
-            sink=session.sink, window=session.window, busy=session.id in self.jobs,
-            messages=len(session.conversation.messages),
-            token_ids=session.history + session.pending if body.token_ids else None,
-        ))  # fmt: skip
+        self.send(
+            route,
+            Op.FINAL,
+            env.request_id,
+            session.id,
+            p.SessionInfo(
+                session_id=session.id,
+                worker_id=self.worker_id,
+                history_tokens=len(session.history) + len(session.pending),
+                cached_tokens=session.slab[0].size(),
+                kv_live_bytes=session.kv_live_bytes,
+                slab_bytes=self.engine.slab_bytes(session.sink, session.window),
+                truncated_tokens=session.dropped,
+                idle_s=0.0 if session.id in self.jobs else time.monotonic() - session.last_used,
+                sink=session.sink,
+                window=session.window,
+                busy=session.id in self.jobs,
+                messages=len(session.conversation.messages),
+                token_ids=session.history + session.pending if body.token_ids else None,
+            ),
+        )
 
     def close(self, session: Session, route: bytes, request_id: int) -> None:
         self.drop(session)
@@ -316,7 +357,7 @@ class Scheduler:
         log.info("session_closed", session=session.id)
         mx.clear_cache()
 
-    HANDLERS = {
+    HANDLERS: ClassVar = {
         Op.OPEN: open,
         Op.APPEND: append,
         Op.GENERATE: generate,

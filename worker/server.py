@@ -72,12 +72,19 @@ class Worker:
             loaded = load(self.config.model)
             engine = Engine(loaded, max_sink=self.config.sink, max_window=self.config.window)
             self.scheduler = Scheduler(engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe)
-            self.ready_body = p.encode(p.WorkerReady(
-                model=loaded.model_id, slabs=self.config.slabs,
-                slab_bytes=engine.slab_bytes(self.config.sink, self.config.window),
-                sink=self.config.sink, max_window=self.config.window, version=p.PROTOCOL_VERSION,
-                pid=os.getpid(), host=socket.gethostname(), free_slabs=self.config.slabs,
-            ))  # fmt: skip
+            self.ready_body = p.encode(
+                p.WorkerReady(
+                    model=loaded.model_id,
+                    slabs=self.config.slabs,
+                    slab_bytes=engine.slab_bytes(self.config.sink, self.config.window),
+                    sink=self.config.sink,
+                    max_window=self.config.window,
+                    version=p.PROTOCOL_VERSION,
+                    pid=os.getpid(),
+                    host=socket.gethostname(),
+                    free_slabs=self.config.slabs,
+                )
+            )
             pipe.send(b"loaded")
             self.scheduler.run(self.stop)
         except BaseException:

@@ -7,8 +7,8 @@ a caller can retry on `Overloaded.retry_after_s`.
 
 from __future__ import annotations
 
-from kvmux.protocol import ErrorCode
 from kvmux.protocol import Error as ErrorReply
+from kvmux.protocol import ErrorCode
 
 
 class KvmuxError(Exception):

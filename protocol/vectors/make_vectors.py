@@ -47,19 +47,19 @@ def env(op: str, rid: int = 1, sid: str = "") -> p.Envelope:
 
 
 def worker_stats(**kw: Any) -> p.WorkerStats:
-    base = dict(
-        worker_id="w-1",
-        model="smollm2-135m",
-        host="mac.local",
-        pid=4242,
-        slabs_total=8,
-        slabs_used=3,
-        running=1,
-        in_flight=2,
-        sessions=3,
-        frames_forwarded=123456,
-        last_seen_s=0.25,
-    )
+    base = {
+        "worker_id": "w-1",
+        "model": "smollm2-135m",
+        "host": "mac.local",
+        "pid": 4242,
+        "slabs_total": 8,
+        "slabs_used": 3,
+        "running": 1,
+        "in_flight": 2,
+        "sessions": 3,
+        "frames_forwarded": 123456,
+        "last_seen_s": 0.25,
+    }
     return p.WorkerStats(**{**base, **kw})
 
 
@@ -188,7 +188,7 @@ CASES: list[tuple[str, Any]] = [
     ("chunk_empty", p.Chunk(token_ids=[], text="")),
     *[
         (
-            f"result_{reason}",
+            f"result_{reason.value}",
             p.GenerateResult(
                 stop_reason=reason,
                 prompt_tokens=14,
@@ -199,12 +199,12 @@ CASES: list[tuple[str, Any]] = [
                 history_tokens=30,
             ),
         )
-        for reason in ("eos", "max_tokens", "stop", "cancelled")
+        for reason in p.StopReason
     ],
     (
         "result_zero",
         p.GenerateResult(
-            stop_reason="cancelled",
+            stop_reason=p.StopReason.CANCELLED,
             prompt_tokens=0,
             completion_tokens=0,
             prefill_s=0.0,
@@ -424,6 +424,7 @@ def ts_schema() -> str:
         f"export const HEARTBEAT_INTERVAL_S = {p.HEARTBEAT_INTERVAL_S};\n\n"
         f"export const Op = {json.dumps(ops, indent=2)} as const;\n\n"
         f"export const ERROR_CODES = {json.dumps([c.value for c in p.ErrorCode])} as const;\n\n"
+        f"export const STOP_REASONS = {json.dumps([c.value for c in p.StopReason])} as const;\n\n"
         f"export const SCHEMAS: Record<string, StructTable> = {body};\n\n"
         "// Message shapes with camelCase keys, as the client takes and returns them. Ints beyond\n"
         "// 2**53 travel as bigint.\n\n" + ts_interfaces()

@@ -28,6 +28,8 @@ export const Op = {
 
 export const ERROR_CODES = ["session_not_found", "session_expired", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
 
+export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled"] as const;
+
 export const SCHEMAS: Record<string, StructTable> = {
   "Envelope": {"tag": null, "array": true, "fields": [
     ["version", "int"],
