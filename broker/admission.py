@@ -9,7 +9,7 @@ idle timeout picks sessions to close. Nothing here touches a socket."""
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from kvmux.protocol import ErrorCode, OpenSession, OverloadReason, ProtocolError
@@ -43,7 +43,7 @@ class Admission:
         self.queue: deque[PendingOpen] = deque()
         self.waits: deque[float] = deque(maxlen=_WAIT_SAMPLES)
         self.admitted = 0
-        self.rejected = 0
+        self.refused: Counter[OverloadReason] = Counter()  # every `overloaded` answer, by reason
         self.expired = 0
 
     def policy(self, request: OpenSession) -> tuple[str, float]:
@@ -90,9 +90,14 @@ class Admission:
         return pending
 
     def refuse(self, reason: OverloadReason, message: str) -> Refusal:
-        self.rejected += 1
+        """The one way to say `overloaded`: counted by reason for stats."""
+        self.refused[reason] += 1
         retry = None if reason is OverloadReason.DRAINING else self.cfg.retry_after_s
         return Refusal(reason, message, retry)
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.refused.values())
 
     def queued_for(self, owner: str) -> int:
         return sum(1 for p in self.queue if p.owner == owner)
@@ -109,11 +114,11 @@ class Admission:
         return pending, worker
 
     def timed_out(self, now: float) -> list[PendingOpen]:
-        """Remove and return the opens that waited their longest."""
+        """Remove and return the opens that waited their longest (the caller
+        refuses each)."""
         out = [p for p in self.queue if p.deadline <= now]
         if out:
             self.queue = deque(p for p in self.queue if p.deadline > now)
-            self.rejected += len(out)
         return out
 
     def is_queued(self, route: bytes, request_id: int) -> bool:
@@ -127,9 +132,8 @@ class Admission:
         return out
 
     def flush(self) -> list[PendingOpen]:
-        """Empty the queue (drain): every open in it is refused."""
+        """Empty the queue (drain; the caller refuses each open)."""
         out, self.queue = list(self.queue), deque()
-        self.rejected += len(out)
         return out
 
     def idle(self, registry: Registry, now: float) -> list[Session]:

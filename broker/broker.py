@@ -6,15 +6,15 @@ to the client route they came from. Both ROUTERs are ROUTER_MANDATORY, so a
 frame to a vanished peer raises instead of vanishing: a gone worker fails its
 requests with `worker_lost`, a gone client has its generations cancelled and
 its sessions closed by requests the broker makes itself (route b"").
-Sends never block: a client whose pipe is full gets a bounded backlog, and
-past it its streams are cancelled with a typed error (docs/operations.md)."""
+Sends never block (broker/outbox.py). Every client op has its handler in
+`_handlers`; every `overloaded` answer goes through `Admission.refuse` and is
+counted by reason."""
 
 from __future__ import annotations
 
 import itertools
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -26,17 +26,18 @@ from kvmux import logs
 from kvmux.protocol import (
     PROTOCOL_VERSION,
     REPLY_OPS,
-    SESSION_OPS,
     Ack,
     BrokerStats,
     Cancel,
     Close,
     Disconnect,
+    Envelope,
     ErrorCode,
     Op,
     OverloadReason,
     Pong,
     ProtocolError,
+    Refused,
     WorkerStats,
     decode_body,
     decode_envelope,
@@ -49,6 +50,7 @@ from kvmux.protocol import (
 from . import endpoints
 from .admission import Admission, PendingOpen, Refusal
 from .config import BrokerConfig
+from .outbox import Outbox, Sent
 from .registry import Registry, Request, Session, Worker
 
 log = logs.get("broker")
@@ -58,6 +60,20 @@ _POLL_MS = 50
 _POLL_BACKLOG_MS = 5  # while some client's backlog waits to be flushed
 _EMPTY_MAP = encode({})
 _STREAMING = (Op.APPEND, Op.GENERATE)
+
+
+@dataclass(frozen=True)
+class ClientFrame:
+    """One request from a client, as every op handler receives it."""
+
+    route: bytes  # the client's routing id on the frontend
+    env: Envelope
+    env_raw: bytes  # forwarded untouched to the worker
+    body: bytes
+    now: float
+
+
+Handler = Callable[["Broker", ClientFrame], None]
 
 
 @dataclass
@@ -79,7 +95,7 @@ class Broker:
         self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.registry = Registry()
         self.admission = Admission(cfg)
-        self.backlog: dict[bytes, deque[list[bytes]]] = {}
+        self.outbox = Outbox(self.frontend, self.backend, cfg.client_backlog, self._client_gone, self._overrun)
         self.started = time.monotonic()
         self.frames_forwarded = 0
         self.drain: _Drain | None = None
@@ -131,7 +147,7 @@ class Broker:
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(_POLL_BACKLOG_MS if self.backlog else _POLL_MS))
+            events = dict(poller.poll(_POLL_BACKLOG_MS if self.outbox.backlog else _POLL_MS))
             if self._drain_request is not None:  # a signal came during the poll: before any frame
                 self._start_drain(self._drain_request, time.monotonic())
                 self._drain_request = None
@@ -141,7 +157,7 @@ class Broker:
                 self._read(self.frontend, self._on_client_frames)
             if self._tick(time.monotonic()):
                 break
-        self._flush_backlogs()
+        self.outbox.flush()
         return 0
 
     def _read(self, sock: zmq.Socket, handle: Callable[[list[bytes], float], None]) -> None:
@@ -153,7 +169,7 @@ class Broker:
             try:
                 handle(frames, time.monotonic())
             except Exception:  # one bad frame must never stop the loop
-                log.exception("frame handling failed", parts=len(frames))
+                log.exception("frame_handling_failed", parts=len(frames))
 
     def _tick(self, now: float) -> bool:
         """Timers: heartbeats, liveness, queue deadlines, idle sessions,
@@ -167,22 +183,15 @@ class Broker:
             if now - worker.last_seen > deadline:
                 self._lose_worker(worker, f"silent for {now - worker.last_seen:.1f}s")
         for pending in self.admission.timed_out(now):
-            self._refuse(
-                pending.route,
-                pending.request_id,
-                Refusal(
-                    OverloadReason.QUEUE_TIMEOUT,
-                    f"no slab freed within {pending.deadline - pending.enqueued:g}s",
-                    self.cfg.retry_after_s,
-                ),
-            )
+            waited = f"no slab freed within {pending.deadline - pending.enqueued:g}s"
+            self._refuse(pending.route, pending.request_id, OverloadReason.QUEUE_TIMEOUT, waited)
         for session in self.admission.idle(self.registry, now):
             self.admission.expired += 1
-            log.info("session expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
+            log.info("session_expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
             self._end_session(session, ErrorCode.SESSION_EXPIRED)
         while (admitted := self.admission.next_admitted(self.registry, now)) is not None:
             self._forward_open(*admitted)
-        self._flush_backlogs()
+        self.outbox.flush()
         if self.on_tick is not None:
             self.on_tick()
         return self.drain is not None and self._drain_step(now)
@@ -193,51 +202,41 @@ class Broker:
         route = frames[0]
         if len(frames) != 3:
             request_id, session_id = _salvage_ids(frames[1] if len(frames) > 1 else b"")
-            return self._error(
-                route,
-                request_id,
-                session_id,
-                ErrorCode.MALFORMED_FRAME,
-                f"expected [envelope, body], got {len(frames) - 1} parts",
-            )
+            why = f"expected [envelope, body], got {len(frames) - 1} parts"
+            return self._error(route, request_id, session_id, ErrorCode.MALFORMED_FRAME, why)
         env_raw, body = frames[1], frames[2]
         if len(env_raw) + len(body) > self.cfg.max_frame_bytes:
             request_id, session_id = _salvage_ids(env_raw)
-            return self._error(
-                route,
-                request_id,
-                session_id,
-                ErrorCode.FRAME_TOO_LARGE,
-                f"frame of {len(env_raw) + len(body)} bytes exceeds {self.cfg.max_frame_bytes}",
-            )
+            why = f"frame of {len(env_raw) + len(body)} bytes exceeds {self.cfg.max_frame_bytes}"
+            return self._error(route, request_id, session_id, ErrorCode.FRAME_TOO_LARGE, why)
         try:
             env = decode_envelope(env_raw)
         except ProtocolError as exc:
             request_id, session_id = _salvage_ids(env_raw)
             return self._error(route, request_id, session_id, exc.code, exc.message)
-        handler = self._handlers.get(env.op, Broker._forward if env.op in SESSION_OPS else None)
+        handler = self._handlers.get(env.op)
         if handler is None:
             return self._error(route, env.request_id, env.session_id, ErrorCode.UNKNOWN_OP, f"unknown op {env.op!r}")
         try:
-            handler(self, route, env, env_raw, body, now)
+            handler(self, ClientFrame(route, env, env_raw, body, now))
         except ProtocolError as exc:
             self._error(route, env.request_id, env.session_id, exc.code, exc.message)
 
-    def _open(self, route, env, env_raw, body, now) -> None:
-        request = decode_body(Op.OPEN, body)
-        self._check_unique(route, env.request_id)
-        pending = PendingOpen(route, env.request_id, body, request.client_name or route.hex(), now, now)
+    def _open(self, frame: ClientFrame) -> None:
+        request = decode_body(Op.OPEN, frame.body)
+        route, request_id = frame.route, frame.env.request_id
+        self._check_unique(route, request_id)
         if self.drain is not None:
-            return self._refuse(
-                route, env.request_id, self.admission.refuse(OverloadReason.DRAINING, "the broker is draining")
-            )
-        decision = self.admission.decide(self.registry, pending, request, now)
+            return self._refuse(route, request_id, OverloadReason.DRAINING, "the broker is draining")
+        owner = request.client_name or route.hex()
+        pending = PendingOpen(route, request_id, frame.body, owner, frame.now, frame.now)
+        decision = self.admission.decide(self.registry, pending, request, frame.now)
         if isinstance(decision, Refusal):
-            self._refuse(route, env.request_id, decision)
+            self._send_refusal(route, request_id, decision)
         elif isinstance(decision, Worker):
             self._forward_open(pending, decision)
         else:
-            log.debug("open queued", request_id=env.request_id, depth=len(self.admission.queue))
+            log.debug("open_queued", request_id=request_id, depth=len(self.admission.queue))
 
     def _forward_open(self, pending: PendingOpen, worker: Worker) -> None:
         session_id = uuid.uuid4().hex
@@ -245,23 +244,26 @@ class Broker:
         self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
         self._to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)
 
-    def _forward(self, route, env, env_raw, body, now) -> None:
-        """A session op: to the worker holding the session's slab."""
+    def _forward(self, frame: ClientFrame) -> None:
+        """APPEND, GENERATE, INFO, CLOSE, CREDIT: to the worker holding the
+        session's slab, untouched."""
+        env = frame.env
         session = self._session(env.session_id)
         if self.drain is not None and env.op in _STREAMING:
             return self._refuse(
-                route, env.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None), env.session_id
+                frame.route, env.request_id, OverloadReason.DRAINING, "the broker is draining", env.session_id
             )
-        session.last_active = now
+        session.last_active = frame.now
         if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
-            self._check_unique(route, env.request_id)
-            self.registry.track(route, env.request_id, env.op, session.worker, session.session_id)
-        self._to_worker(session.worker, route, env_raw, body)
+            self._check_unique(frame.route, env.request_id)
+            self.registry.track(frame.route, env.request_id, env.op, session.worker, session.session_id)
+        self._to_worker(session.worker, frame.route, frame.env_raw, frame.body)
 
-    def _cancel(self, route, env, env_raw, body, now) -> None:
+    def _cancel(self, frame: ClientFrame) -> None:
         """CANCEL naming a queued or opening OPEN is the broker's; any other
         goes to the session's worker."""
-        target = decode_body(Op.CANCEL, body).request_id
+        route, env = frame.route, frame.env
+        target = decode_body(Op.CANCEL, frame.body).request_id
         if target is not None:
             queued = self.admission.remove(route, target)
             opening = self.registry.requests.get((route, target))
@@ -275,24 +277,36 @@ class Broker:
             raise ProtocolError(
                 ErrorCode.INVALID_ARGUMENT, f"nothing to cancel: request {target} is not a queued or opening session"
             )
-        self._forward(route, env, env_raw, body, now)
+        self._forward(frame)
 
-    def _stats(self, route, env, env_raw, body, now) -> None:
-        decode_body(Op.STATS, body)
-        self._reply(route, env, self.stats(now))
+    def _stats(self, frame: ClientFrame) -> None:
+        decode_body(Op.STATS, frame.body)
+        self._reply(frame.route, frame.env, self.stats(frame.now))
 
-    def _ping(self, route, env, env_raw, body, now) -> None:
-        decode_body(Op.PING, body)
-        self._reply(route, env, Pong(time=time.time()))
+    def _ping(self, frame: ClientFrame) -> None:
+        decode_body(Op.PING, frame.body)
+        self._reply(frame.route, frame.env, Pong(time=time.time()))
 
-    def _drain_op(self, route, env, env_raw, body, now) -> None:
-        grace = decode_body(Op.DRAIN, body).grace_s
+    def _drain_op(self, frame: ClientFrame) -> None:
+        grace = decode_body(Op.DRAIN, frame.body).grace_s
         if grace is not None and grace < 0:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "grace_s must be >= 0")
-        self._reply(route, env, Ack())
-        self._start_drain(self.cfg.drain_grace_s if grace is None else grace, now)
+        self._reply(frame.route, frame.env, Ack())
+        self._start_drain(self.cfg.drain_grace_s if grace is None else grace, frame.now)
 
-    _handlers: ClassVar = {Op.OPEN: _open, Op.CANCEL: _cancel, Op.STATS: _stats, Op.PING: _ping, Op.DRAIN: _drain_op}
+    # Every client op, by the handler that serves it.
+    _handlers: ClassVar[dict[str, Handler]] = {
+        Op.OPEN: _open,
+        Op.APPEND: _forward,
+        Op.GENERATE: _forward,
+        Op.CANCEL: _cancel,
+        Op.CREDIT: _forward,
+        Op.INFO: _forward,
+        Op.CLOSE: _forward,
+        Op.STATS: _stats,
+        Op.PING: _ping,
+        Op.DRAIN: _drain_op,
+    }
 
     def _session(self, session_id: str) -> Session:
         if not session_id:
@@ -319,22 +333,21 @@ class Broker:
         if worker is not None:
             worker.last_seen = now  # any frame counts as a heartbeat
         if len(frames) != 4:
-            log.warning("malformed worker frame", worker=identity.hex(), parts=len(frames))
+            log.warning("malformed_worker_frame", worker=identity.hex(), parts=len(frames))
             return
         route, env_raw, body = frames[1:]
         try:
             env = decode_envelope(env_raw)
         except ProtocolError as exc:
-            log.warning("bad worker envelope", worker=identity.hex(), error=exc.message)
+            log.warning("bad_worker_envelope", worker=identity.hex(), error=exc.message)
             return
         if env.op == Op.READY:
             return self._on_ready(identity, worker, body, now)
         if worker is None:
             # Not registered (or forgotten as dead): make it register again.
-            log.info("unknown worker, asking it to re-register", worker=identity.hex(), op=env.op)
-            return self._to_worker_raw(
-                identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="not registered"))
-            )
+            log.info("unknown_worker_reregister", worker=identity.hex(), op=env.op)
+            self.outbox.to_worker(identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="not registered")))
+            return
         if env.op == Op.HEARTBEAT:
             beat = decode_body(Op.HEARTBEAT, body)
             worker.running, worker.draining = beat.running, beat.draining
@@ -343,18 +356,18 @@ class Broker:
         elif env.op in REPLY_OPS:
             self._on_reply(worker, route, env, env_raw, body, now)
         else:
-            log.warning("unexpected op from worker", worker=worker.worker_id, op=env.op)
+            log.warning("unexpected_worker_op", worker=worker.worker_id, op=env.op)
 
     def _on_ready(self, identity: bytes, known: Worker | None, body: bytes, now: float) -> None:
         ready = decode_body(Op.READY, body)
         if known is not None:  # it restarted: whatever it held is gone
             self._lose_worker(known, "re-registered")
         if ready.version != PROTOCOL_VERSION:
-            log.error("worker speaks another protocol version", worker=identity.hex(), version=ready.version)
+            log.error("worker_version_mismatch", worker=identity.hex(), version=ready.version)
             return
         worker = self.registry.add_worker(identity, ready, now)
         log.info(
-            "worker ready",
+            "worker_ready",
             worker=worker.worker_id,
             model=ready.model,
             slabs=ready.slabs,
@@ -363,7 +376,7 @@ class Broker:
             pid=ready.pid,
         )
 
-    def _on_reply(self, worker: Worker, route: bytes, env, env_raw: bytes, body: bytes, now: float) -> None:
+    def _on_reply(self, worker: Worker, route: bytes, env: Envelope, env_raw: bytes, body: bytes, now: float) -> None:
         req = self.registry.requests.get((route, env.request_id))
         if req is None or req.worker is not worker:
             # A late reply to a request already failed (its worker was lost
@@ -428,7 +441,7 @@ class Broker:
             return
         sessions = len(worker.sessions)
         lost = self.registry.remove_worker(worker, why)
-        log.warning("worker lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
+        log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
         for req in lost:
             if req.route and not req.orphaned:
                 self._error(
@@ -460,7 +473,6 @@ class Broker:
         opened (the worker cancels their running generations first), cancel
         its generations on sessions it did not open, drop its queued opens
         and backlog."""
-        self.backlog.pop(route, None)
         dropped = self.admission.remove(route)
         sessions = [s for s in self.registry.sessions.values() if s.route == route]
         for session in sessions:
@@ -470,14 +482,15 @@ class Broker:
             session = self.registry.sessions.get(req.session_id)
             if req.op in _STREAMING and session is not None and session.route != route:
                 self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel())
-        log.info("client gone", client=route.hex(), sessions=len(sessions), queued=len(dropped))
+        log.info("client_gone", client=route.hex(), sessions=len(sessions), queued=len(dropped))
 
     # --------------------------------------------------------------- sends
 
     def _to_worker(self, worker: Worker, route: bytes, env_raw: bytes, body: bytes) -> None:
-        try:
-            self._to_worker_raw(worker.identity, route, env_raw, body)
-        except zmq.Again:
+        sent = self.outbox.to_worker(worker.identity, route, env_raw, body)
+        if sent is Sent.UNREACHABLE:
+            self._lose_worker(worker, "unreachable")
+        elif sent is Sent.FULL:
             # Its pipe holds backend_hwm frames: it is not reading; heartbeats
             # will tell if it is dead. This request cannot be sent.
             env = decode_envelope(env_raw)
@@ -485,76 +498,38 @@ class Broker:
             if req is not None:
                 self.registry.finish(req)
             if route:
-                self._error(
-                    route,
-                    env.request_id,
-                    env.session_id,
-                    ErrorCode.OVERLOADED,
-                    f"worker {worker.worker_id} is not reading its socket",
-                    retry_after_s=self.cfg.retry_after_s,
-                )
-            return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self._lose_worker(worker, "unreachable")
-            return
-        if route:
+                why = f"worker {worker.worker_id} is not reading its socket"
+                self._refuse(route, env.request_id, OverloadReason.WORKER_STALLED, why, env.session_id)
+        elif route:
             worker.frames_forwarded += 1
             self.frames_forwarded += 1
 
-    def _to_worker_raw(self, identity: bytes, route: bytes, env_raw: bytes, body: bytes) -> None:
-        self.backend.send_multipart([identity, route, env_raw, body], zmq.NOBLOCK)
-
     def _to_client(self, route: bytes, parts: list[bytes]) -> None:
-        queue = self.backlog.get(route)
-        if queue is None:
-            try:
-                self.frontend.send_multipart([route, *parts], zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                queue = self.backlog[route] = deque()
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._client_gone(route)
-                return
-        queue.append(parts)
-        if len(queue) > self.cfg.client_backlog:
-            self._overrun(route)
+        self.outbox.to_client(route, parts)
 
     def _overrun(self, route: bytes) -> None:
         """A client this far behind: cancel its streams rather than buffer on."""
         for req in list(self.registry.requests.values()):
             if req.route == route and req.op == Op.GENERATE and not (req.overrun or req.orphaned):
                 req.overrun = True
-                log.warning("client too slow, cancelling its stream", client=route.hex(), request_id=req.request_id)
+                log.warning("client_too_slow", client=route.hex(), request_id=req.request_id)
                 self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel())
 
-    def _flush_backlogs(self) -> None:
-        for route, queue in list(self.backlog.items()):
-            try:
-                while queue:
-                    self.frontend.send_multipart([route, *queue[0]], zmq.NOBLOCK)
-                    queue.popleft()
-            except zmq.Again:
-                continue
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._client_gone(route)
-                continue
-            del self.backlog[route]
-
-    def _reply(self, route: bytes, env, body: msgspec.Struct) -> None:
+    def _reply(self, route: bytes, env: Envelope, body: msgspec.Struct) -> None:
         self._to_client(route, [envelope(Op.FINAL, env.request_id, env.session_id), encode(body)])
 
     def _error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str, **extra) -> None:
         if code is not ErrorCode.OVERLOADED:
-            log.info("error reply", code=code.value, message=message, request_id=request_id)
+            log.info("error_reply", code=code.value, message=message, request_id=request_id)
         self._to_client(route, [envelope(Op.ERROR, request_id, session_id), error_body(code, message, **extra)])
 
-    def _refuse(self, route: bytes, request_id: int, refusal: Refusal, session_id: str = "") -> None:
+    def _refuse(
+        self, route: bytes, request_id: int, reason: OverloadReason, message: str, session_id: str = ""
+    ) -> None:
+        """Answer `overloaded` (counted in stats by reason)."""
+        self._send_refusal(route, request_id, self.admission.refuse(reason, message), session_id)
+
+    def _send_refusal(self, route: bytes, request_id: int, refusal: Refusal, session_id: str = "") -> None:
         self._error(
             route,
             request_id,
@@ -581,9 +556,7 @@ class Broker:
             queued=len(self.admission.queue),
         )
         for pending in self.admission.flush():
-            self._refuse(
-                pending.route, pending.request_id, Refusal(OverloadReason.DRAINING, "the broker is draining", None)
-            )
+            self._refuse(pending.route, pending.request_id, OverloadReason.DRAINING, "the broker is draining")
 
     def _drain_step(self, now: float) -> bool:
         """Let running generations finish within the grace period, then close
@@ -598,7 +571,7 @@ class Broker:
             # Time for cancelled generations to reach a token boundary and
             # for the closes to come back.
             drain.close_until = now + max(5.0, 5 * self.cfg.heartbeat_s)
-            log.info("closing sessions", sessions=len(self.registry.sessions), running=running)
+            log.info("closing_sessions", sessions=len(self.registry.sessions), running=running)
             for session in list(self.registry.sessions.values()):
                 self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
         if self.registry.sessions and now < drain.close_until:
@@ -620,12 +593,10 @@ class Broker:
     def disconnect_workers(self) -> None:
         """Tell every worker the broker is going: it re-registers with the next."""
         for worker in list(self.registry.workers.values()):
-            try:
-                self._to_worker_raw(
-                    worker.identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="broker stopping"))
-                )
-            except zmq.ZMQError:
-                pass  # already gone: nothing to tell
+            # A worker already gone needs no telling: the outcome does not matter.
+            self.outbox.to_worker(
+                worker.identity, b"", envelope(Op.DISCONNECT), encode(Disconnect(reason="broker stopping"))
+            )
 
     # ---------------------------------------------------------------- stats
 
@@ -665,6 +636,7 @@ class Broker:
             queue_wait_p50_s=p50,
             queue_wait_p99_s=p99,
             draining=self.drain is not None,
+            refused=[Refused(reason=r.value, count=n) for r, n in sorted(self.admission.refused.items())],
         )
 
 

@@ -129,12 +129,17 @@ def drain(
     typer.echo("draining")
 
 
+def _by_reason(refused) -> str:
+    return " (" + ", ".join(f"{r.reason} {r.count}" for r in refused) + ")" if refused else ""
+
+
 def format_stats(s) -> str:
     """BrokerStats as a short summary and one row per worker."""
     lines = [
         f"uptime {s.uptime_s:.0f}s  protocol v{s.version}  {'DRAINING' if s.draining else 'serving'}",
         f"slabs {s.slabs_used}/{s.slabs_total} used  sessions {s.sessions}  in flight {s.in_flight}  frames forwarded {s.frames_forwarded}",
-        f"queue {s.queue_depth}  admitted {s.admitted}  rejected {s.rejected}  expired {s.expired}"
+        f"queue {s.queue_depth}  admitted {s.admitted}  rejected {s.rejected}{_by_reason(s.refused)}"
+        f"  expired {s.expired}"
         f"  queue wait p50 {s.queue_wait_p50_s * 1000:.1f} ms  p99 {s.queue_wait_p99_s * 1000:.1f} ms",
         "",
     ]

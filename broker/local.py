@@ -58,14 +58,14 @@ class LocalWorkers:
             cmd, env = self.command(index), self.env()
             proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
             self.procs.append(proc)
-            log.info("local worker started", index=index, pid=proc.pid)
+            log.info("local_worker_started", index=index, pid=proc.pid)
 
     def check(self) -> None:
         """Report (once) each worker that has exited."""
         for index, proc in enumerate(self.procs):
             if proc.pid not in self._reported and proc.poll() is not None:
                 self._reported.add(proc.pid)
-                log.error("local worker exited; not restarted", index=index, pid=proc.pid, returncode=proc.returncode)
+                log.error("local_worker_exited", index=index, pid=proc.pid, returncode=proc.returncode)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (workers drain), then SIGKILL whatever is left at the deadline."""
@@ -77,7 +77,7 @@ class LocalWorkers:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("local worker did not stop, killing it", pid=proc.pid)
+                log.warning("local_worker_killed", pid=proc.pid)
                 proc.kill()
                 proc.wait()
         self._reported.update(p.pid for p in self.procs)

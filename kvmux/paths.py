@@ -1,9 +1,11 @@
-"""Default locations: the runtime dir holding the ipc sockets, and the
-endpoints a client uses when none is given (override with KVMUX_ENDPOINT)."""
+"""Default locations: the runtime dir holding the ipc sockets, the state dir
+holding the session store, and the endpoints a client uses when none is
+given (override with KVMUX_ENDPOINT)."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -14,6 +16,17 @@ def runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     # ipc paths must stay under ~100 bytes (sun_path), so keep this short.
     return Path(xdg) / "kvmux" if xdg else Path(f"/tmp/kvmux-{os.getuid()}")
+
+
+def state_dir() -> Path:
+    """Where the session store lives (durable, unlike the runtime dir)."""
+    base = os.environ.get("KVMUX_STATE_DIR")
+    if base:
+        return Path(base)
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "kvmux"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "state") / "kvmux"
 
 
 def default_frontend() -> str:

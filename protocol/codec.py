@@ -39,10 +39,14 @@ class Op:
     STATS = "stats"
     PING = "ping"
     DRAIN = "drain"
+    RESUME = "resume"  # a handle on an existing session (the broker answers)
+    SESSIONS = "sessions"  # list every session, live and hibernated
     # worker <-> broker
     READY = "ready"
     HEARTBEAT = "heartbeat"
     DISCONNECT = "disconnect"
+    HIBERNATE = "hibernate"  # broker -> worker: snapshot the session to the store, free its slab
+    RESTORED = "restored"  # worker -> broker: a session came back from the store (timing)
     # replies
     PARTIAL = "partial"
     FINAL = "final"
@@ -60,14 +64,18 @@ REQUEST_BODIES: dict[str, type] = {
     Op.STATS: m.Stats,
     Op.PING: m.Ping,
     Op.DRAIN: m.Drain,
+    Op.RESUME: m.Resume,
+    Op.SESSIONS: m.ListSessions,
+    Op.HIBERNATE: m.Hibernate,
 }
 WORKER_BODIES: dict[str, type] = {
     Op.READY: m.WorkerReady,
     Op.HEARTBEAT: m.WorkerHeartbeat,
     Op.DISCONNECT: m.Disconnect,
+    Op.RESTORED: m.Restored,
 }
 # Ops that address an existing session (envelope session_id required).
-SESSION_OPS = frozenset({Op.APPEND, Op.GENERATE, Op.CANCEL, Op.CREDIT, Op.INFO, Op.CLOSE})
+SESSION_OPS = frozenset({Op.APPEND, Op.GENERATE, Op.CANCEL, Op.CREDIT, Op.INFO, Op.CLOSE, Op.RESUME})
 REPLY_OPS = frozenset({Op.PARTIAL, Op.FINAL, Op.ERROR})
 
 

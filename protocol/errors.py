@@ -6,11 +6,19 @@ from __future__ import annotations
 import enum
 
 
-class ErrorCode(str, enum.Enum):
+class _Code(str, enum.Enum):
+    """A wire string: prints as its value (`f"{code}"` is "busy", as on the wire)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ErrorCode(_Code):
     """Every error a kvmux peer can answer with; the wire carries the value."""
 
     SESSION_NOT_FOUND = "session_not_found"
-    SESSION_EXPIRED = "session_expired"  # closed by the idle timeout
+    SESSION_EXPIRED = "session_expired"  # closed by the idle timeout or past the session TTL
+    SESSION_CORRUPT = "session_corrupt"  # its stored record or slab cannot be read
     INVALID_ARGUMENT = "invalid_argument"
     MALFORMED_FRAME = "malformed_frame"  # undecodable envelope or body
     UNKNOWN_OP = "unknown_op"
@@ -24,18 +32,19 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
 
 
-class OverloadReason(str, enum.Enum):
+class OverloadReason(_Code):
     """Why an `overloaded` error was given (Error.reason)."""
 
-    NO_SLAB = "no_slab"  # `reject` policy and every slab taken
+    NO_SLAB = "no_slab"  # `reject` policy and every slab busy with running work
     NO_WORKER = "no_worker"  # no worker registered at all
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
     QUOTA = "quota"
     DRAINING = "draining"
+    WORKER_STALLED = "worker_stalled"  # the worker's socket is full: it is not reading
 
 
-class StopReason(str, enum.Enum):
+class StopReason(_Code):
     """Why a generation ended (GenerateResult.stop_reason)."""
 
     EOS = "eos"  # the model's end-of-sequence token

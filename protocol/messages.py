@@ -84,7 +84,19 @@ class Info(_Body):
 
 
 class Close(_Body):
+    keep: bool = False  # broker only: free the slab, keep the stored record
+
+
+class Resume(_Body):
+    """A handle on the envelope's existing session; answered with SessionOpened."""
+
+
+class ListSessions(_Body):
     pass
+
+
+class Hibernate(_Body):
+    """Broker -> worker: write the session's slab to the store and free it."""
 
 
 class Stats(_Body):
@@ -112,6 +124,8 @@ class WorkerReady(_Body):
     pid: int
     host: str
     free_slabs: int
+    sessions: list[str] = []  # live sessions it holds (kept across a broker restart)
+    store: str = ""  # "host:state dir": workers with the same store share session records
 
 
 class WorkerHeartbeat(_Body):
@@ -124,6 +138,14 @@ class Disconnect(_Body):
     reason: str = ""
 
 
+class Restored(_Body):
+    """Worker -> broker, unsolicited: a session was restored from the store."""
+
+    session_id: str
+    seconds: float
+    replayed_tokens: int = 0  # fed again after the snapshot (a crash's cost)
+
+
 # ---------------------------------------------------------------- replies
 
 
@@ -132,6 +154,8 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="type"):
 
 
 class SessionOpened(Reply, tag="opened"):
+    """The reply to OPEN and to RESUME (worker_id is "" while hibernated)."""
+
     session_id: str
     worker_id: str
     model: str
@@ -176,10 +200,34 @@ class SessionInfo(Reply, tag="info"):
     busy: bool
     messages: int
     token_ids: list[int] | None = None
+    state: str = "live"  # live (in a slab) | hibernated (in the store)
+    restores: int = 0
+    last_restore_s: float = 0.0
 
 
 class Closed(Reply, tag="closed"):
     session_id: str
+
+
+class Hibernated(Reply, tag="hibernated"):
+    session_id: str
+    bytes: int  # written to the store
+    seconds: float
+
+
+class SessionSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
+    session_id: str
+    state: str  # live | hibernated
+    owner: str
+    worker_id: str = ""
+    history_tokens: int
+    idle_s: float
+    bytes_on_disk: int
+    created: float  # wall-clock seconds
+
+
+class SessionList(Reply, tag="sessions"):
+    sessions: list[SessionSummary]
 
 
 class Ack(Reply, tag="ack"):
@@ -204,6 +252,11 @@ class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     last_seen_s: float
 
 
+class Refused(msgspec.Struct, kw_only=True):
+    reason: str  # an OverloadReason value
+    count: int
+
+
 class BrokerStats(Reply, tag="stats"):
     version: int
     uptime_s: float
@@ -220,6 +273,14 @@ class BrokerStats(Reply, tag="stats"):
     queue_wait_p50_s: float = 0.0
     queue_wait_p99_s: float = 0.0
     draining: bool = False
+    refused: list[Refused] = []  # overloaded answers by reason (`rejected` is their sum)
+    sessions_live: int = 0  # in a slab
+    sessions_hibernated: int = 0  # in the store only
+    hibernations: int = 0
+    restores: int = 0
+    restore_p50_s: float = 0.0
+    restore_p99_s: float = 0.0
+    store_bytes: int = 0
 
 
 class Error(Reply, tag="error"):
@@ -230,4 +291,17 @@ class Error(Reply, tag="error"):
     queue_depth: int | None = None
 
 
-ReplyBody = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Closed | Ack | Pong | BrokerStats | Error
+ReplyBody = (
+    SessionOpened
+    | Appended
+    | Chunk
+    | GenerateResult
+    | SessionInfo
+    | Closed
+    | Hibernated
+    | SessionList
+    | Ack
+    | Pong
+    | BrokerStats
+    | Error
+)

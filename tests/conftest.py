@@ -137,6 +137,78 @@ class Stack:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class Daemon:
+    """`kvmux serve` with its own local workers (supervised by it) on a state
+    dir that outlives it: `tmp / "state"`."""
+
+    def __init__(self, tmp: Path, *, slabs: int = 2, workers: int = 1, args=(), wait: bool = True):
+        self.tmp = tmp
+        self.run = Path(tempfile.mkdtemp(prefix="kvmux-d-", dir="/tmp"))  # short: ipc paths are limited
+        self.frontend = f"ipc://{self.run}/f.ipc"
+        serve = ["serve", "--workers", str(workers), "--slabs", str(slabs), "--frontend", self.frontend]
+        cmd = kvmux_command(*serve, "--backend", f"ipc://{self.run}/b.ipc", "--state-dir", str(tmp / "state"), *args)
+        env = {**os.environ, "KVMUX_RUNTIME_DIR": str(self.run), "KVMUX_LOG_LEVEL": "info"}
+        self.log = tmp / f"serve-{time.monotonic_ns()}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if wait:
+            self.wait_workers(workers)
+
+    def wait_workers(self, count: int) -> p.BrokerStats:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.alive(), self.logs()
+            stats = broker_stats(self.frontend, timeout_s=1.0)
+            if stats is not None and len(stats.workers) >= count:
+                return stats
+            time.sleep(0.2)
+        raise TimeoutError(f"{count} workers not registered\n{self.logs()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def logs(self, tail: int = 6000) -> str:
+        return self.log.read_text(errors="replace")[-tail:]
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker and the broker at once (workers run in
+        sessions of their own: found by their parent, before it dies and
+        they get the SIGTERM their parent-death signal sends)."""
+        for pid in [*_children(self.proc.pid), self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+        shutil.rmtree(self.run, ignore_errors=True)
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat_file.parent.name))
+    return out
+
+
 @pytest.fixture
 def stack_factory():
     """Start stacks inside a test: `stack_factory(workers=1, slabs=4, ...)`."""

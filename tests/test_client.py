@@ -50,7 +50,7 @@ def raw_call(client: Client, envelope: bytes, body: bytes, timeout: float = 10.0
     """Send hand-made frames through the client and unwrap the reply."""
     rid = msgspec.msgpack.decode(envelope)[2]
     replies: queue.SimpleQueue = queue.SimpleQueue()
-    client._calls[rid] = replies
+    client._calls._queues[rid] = replies  # a hand-made request id the client did not mint
     client._post([envelope, body])
     return wire.unwrap(client._wait(rid, replies, timeout, "raw"))
 
@@ -154,7 +154,7 @@ def test_credit_bounds_what_a_slow_reader_buffers(client):
         stream = session.chat("List ten animals.", max_tokens=8, credit=2)
         next(stream)
         time.sleep(1.5)  # the worker could have produced ~15 tokens meanwhile
-        assert stream._feed.replies.qsize() <= 2
+        assert stream._reader.replies.qsize() <= 2
         list(stream)  # re-granted credit lets it finish
         assert stream.result.completion_tokens >= 3
 

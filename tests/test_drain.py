@@ -98,7 +98,7 @@ def test_serve_with_local_workers_drains_on_the_drain_op():
             )
             assert done.returncode == 0 and "draining" in done.stdout, done.stderr
             assert serve.wait(30) == 0
-            session._closed = True  # its broker is gone: nothing to close
+            session.closed = True  # its broker is gone: nothing to close
         with pytest.raises(ProcessLookupError):
             os.kill(worker_pid, 0)  # the local worker was stopped (and reaped)
         assert not (rt / "frontend.ipc").exists() and not (rt / "backend.ipc").exists()

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from kvmux.protocol import ErrorCode, ProtocolError, Sampling
+from kvmux.protocol import ErrorCode, ProtocolError, Sampling, StopReason
 
 from . import batch
 from .conversation import Conversation
 from .model import LoadedModel
 from .slab import SlabCache, live_bytes, make_slab
+from .stops import StopMatcher
 
 DEFAULT_MAX_TOKENS = 256
 PREFILL_CHUNK = 128  # tokens per prefill step: bounds cancel and interleave latency
@@ -64,8 +65,8 @@ class GenerationParams:
 
 
 @dataclass
-class Feed:
-    """A decode step's ask: feed `token` (a lazy 1-element array) into the
+class DecodeStep:
+    """A decode step's ask: run `token` (a lazy 1-element array) through the
     session's slab and send back the logits that follow it."""
 
     session: Session
@@ -161,8 +162,9 @@ class Engine:
         return self.model(tokens[None], cache=session.slab)[:, -1, :]
 
     def prefill(self, session: Session) -> Iterator[None]:
-        """Feed the session's pending tokens into its slab, a chunk per step.
-        What a cancel leaves pending is fed by the next append or generate."""
+        """Run the session's pending tokens through its slab, a chunk per
+        step. What a cancel leaves pending goes in with the next append or
+        generate."""
         while session.pending:
             chunk = session.pending[:PREFILL_CHUNK]
             logits = self._forward(session, mx.array(chunk))
@@ -179,12 +181,12 @@ class Engine:
         emit: Callable[[Decoded], None],
         should_stop: Callable[[], bool],
     ):
-        """Sample up to max_tokens tokens, each fed into the slab.
+        """Sample up to max_tokens tokens, each run through the slab.
 
-        A coroutine: it yields a `Feed` per token and is sent back the logits
-        that follow it, so the scheduler can run one forward pass for every
-        session decoding at that moment (`feed`). Returns (stop reason,
-        generated text). As in mlx-lm's generate_step, the next token is
+        A coroutine: it yields a `DecodeStep` per token and is sent back the
+        logits that follow it, so the scheduler can run one forward pass for
+        every session decoding at that moment (`forward_batch`). Returns
+        (StopReason, generated text). As in mlx-lm's generate_step, the next token is
         computed asynchronously while this one is detokenized and sent.
         """
         if session.logits is None:
@@ -202,7 +204,7 @@ class Engine:
         stops = StopMatcher(params.stop)
         y = sample(session.logits, 0)
         for step in range(params.max_tokens):
-            logits = yield Feed(session, y)
+            logits = yield DecodeStep(session, y)
             y_next = sample(logits, step + 1)
             mx.async_eval(y_next)
             token = y.item()
@@ -210,20 +212,18 @@ class Engine:
             is_eos = token in self.eos
             if not is_eos:
                 detok.add_token(token)
-            reason = (
-                "eos"
-                if is_eos
-                else "max_tokens"
-                if step + 1 == params.max_tokens
-                else "cancelled"
-                if should_stop()
-                else None
-            )
+            reason = None
+            if is_eos:
+                reason = StopReason.EOS
+            elif step + 1 == params.max_tokens:
+                reason = StopReason.MAX_TOKENS
+            elif should_stop():
+                reason = StopReason.CANCELLED
             if reason:
                 detok.finalize()
-            text, hit = stops.feed(detok.last_segment)
+            text, hit = stops.push(detok.last_segment)
             if hit:
-                reason = "stop"
+                reason = StopReason.STOP
             elif reason:
                 text += stops.flush()  # nothing more can complete a stop string
             emit(Decoded(token, text))
@@ -233,39 +233,12 @@ class Engine:
                 return reason, detok.text
             y = y_next
 
-    def feed(self, feeds: list[Feed]) -> list[mx.array]:
-        """The logits after each feed's token, in one batched pass where the
+    def forward_batch(self, steps: list[DecodeStep]) -> list[mx.array]:
+        """The logits after each step's token, in one batched pass where the
         model allows it (lazy: computed when a session samples from them)."""
-        if len(feeds) > 1 and self.batching:
+        if len(steps) > 1 and self.batching:
             logits = batch.forward(
-                self.model, mx.concatenate([f.token for f in feeds]), [f.session.slab for f in feeds]
+                self.model, mx.concatenate([s.token for s in steps]), [s.session.slab for s in steps]
             )
-            return [logits[i : i + 1] for i in range(len(feeds))]
-        return [self._forward(f.session, f.token) for f in feeds]
-
-
-class StopMatcher:
-    """Finds stop strings in streamed text and holds back any tail that may
-    still grow into one, so no stop string is ever sent."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
-
-    def feed(self, segment: str) -> tuple[str, bool]:
-        self.pending += segment
-        if not self.stops:
-            text, self.pending = self.pending, ""
-            return text, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            text, self.pending = self.pending[: min(hits)], ""
-            return text, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        cut = len(self.pending) - hold
-        text, self.pending = self.pending[:cut], self.pending[cut:]
-        return text, False
-
-    def flush(self) -> str:
-        text, self.pending = self.pending, ""
-        return text
+            return [logits[i : i + 1] for i in range(len(steps))]
+        return [self._forward(s.session, s.token) for s in steps]

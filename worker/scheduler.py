@@ -1,8 +1,8 @@
 """The compute thread: owns the model, the slab pool and the sessions, serves
-requests that the I/O thread passes over an inproc socket, and steps every
-running job one token (or prefill chunk) at a time, round robin, so sessions
-progress together and a cancel lands at the next boundary. The decode steps
-of a round run as one batched forward pass."""
+requests that the I/O thread passes over the inproc pipe (worker/control.py),
+and steps every running job one token (or prefill chunk) at a time, round
+robin, so sessions progress together and a cancel lands at the next
+boundary. The decode steps of a round run as one batched forward pass."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import zmq
 
 from kvmux import logs
 from kvmux import protocol as p
-from kvmux.protocol import ErrorCode, Op, ProtocolError
+from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
 
-from .engine import Decoded, Engine, Feed, Session
+from . import control
+from .engine import Decoded, DecodeStep, Engine, Session
 from .slab import SlabPool
 
 log = logs.get("worker.scheduler")
@@ -34,16 +35,16 @@ class Job:
     route: bytes
     request_id: int
     steps: Generator | None = None
-    feed: Feed | None = None  # what the job asked for at its last boundary
+    decode_step: DecodeStep | None = None  # what the job asked for at its last boundary
     logits: mx.array | None = None  # the answer, sent into `steps` when it resumes
     cancelled: bool = False
-    window: int = 0  # Generate.credit; 0 = no flow control
+    credit: int = 0  # Generate.credit: chunks that may be unacknowledged; 0 = no flow control
     outstanding: int = 0  # chunks sent minus credits returned
     close_after: tuple[bytes, int] | None = None  # a close that waits for this job
 
     @property
     def runnable(self) -> bool:
-        return self.cancelled or not self.window or self.outstanding < self.window
+        return self.cancelled or not self.credit or self.outstanding < self.credit
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Scheduler:
     sessions: dict[str, Session] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
     draining: bool = False
+    reported: control.Status | None = None  # the last STATUS sent to the I/O thread
 
     # ------------------------------------------------------------ plumbing
 
@@ -66,6 +68,14 @@ class Scheduler:
             [route, p.envelope(Op.ERROR, request_id, session_id), p.error_body(code, message, **extra)]
         )
 
+    def report_status(self) -> None:
+        """Tell the I/O thread when slabs, jobs or sessions changed: it
+        reads nothing of ours but what comes over the pipe."""
+        status = control.Status(self.pool.free, len(self.jobs), list(self.sessions), self.draining)
+        if status != self.reported:
+            self.pipe.send_multipart([control.STATUS, control.encode_status(status)])
+            self.reported = status
+
     def run(self, stop) -> None:
         """Serve until `stop` (a threading.Event) is set."""
         while not stop.is_set():
@@ -74,17 +84,19 @@ class Scheduler:
             while self.pipe.poll(timeout):
                 self.dispatch(self.pipe.recv_multipart())
                 timeout = 0
-            feeding = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
-            if feeding:
-                self.feed(feeding)
+            decoding = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
+            if decoding:
+                self.forward_pass(decoding)
+            self.report_status()
 
-    def feed(self, jobs: list[Job]) -> None:
+    def forward_pass(self, jobs: list[Job]) -> None:
         """One forward pass for every session that is decoding now."""
         try:
-            for job, logits in zip(jobs, self.engine.feed([job.feed for job in jobs]), strict=False):
+            steps = self.engine.forward_batch([job.decode_step for job in jobs])
+            for job, logits in zip(jobs, steps, strict=True):
                 job.logits = logits
         except Exception as exc:
-            log.exception("feed_failed", sessions=len(jobs))
+            log.exception("forward_pass_failed", sessions=len(jobs))
             for job in jobs:
                 self.finish(job)
                 self.error(
@@ -92,13 +104,13 @@ class Scheduler:
                 )
 
     def step(self, job: Job) -> bool:
-        """Resume a job up to its next boundary; True if it asks for a Feed."""
-        job.feed = None
+        """Resume a job up to its next boundary; True if it asks for a DecodeStep."""
+        job.decode_step = None
         try:
             out = job.steps.send(job.logits)
             job.logits = None
-            if isinstance(out, Feed):
-                job.feed = out
+            if isinstance(out, DecodeStep):
+                job.decode_step = out
                 return True
         except StopIteration:
             self.finish(job)
@@ -121,7 +133,7 @@ class Scheduler:
 
     def dispatch(self, frames: list[bytes]) -> None:
         if len(frames) == 1:
-            self.control(frames[0])
+            self.on_control(frames[0])
             return
         route, raw_env, raw_body = frames
         try:
@@ -147,13 +159,13 @@ class Scheduler:
             log.exception("request_failed", op=env.op)
             self.error(route, env.request_id, env.session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    def control(self, name: bytes) -> None:
-        if name == b"drop":  # re-registering with a broker that knows none of our sessions
+    def on_control(self, name: bytes) -> None:
+        if name == control.DROP:
             for session in list(self.sessions.values()):
                 self.drop(session)
-        elif name == b"drain":
+        elif name == control.DRAIN:
             self.draining = True
-        elif name == b"cancel_all":
+        elif name == control.CANCEL_ALL:
             for job in self.jobs.values():
                 job.cancelled = True
 
@@ -193,8 +205,8 @@ class Scheduler:
         if self.draining:
             raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
 
-    def start(self, route: bytes, env: p.Envelope, session: Session, steps, window: int = 0) -> None:
-        job = Job(session=session, route=route, request_id=env.request_id, window=window)
+    def start(self, route: bytes, env: p.Envelope, session: Session, steps, credit: int = 0) -> None:
+        job = Job(session=session, route=route, request_id=env.request_id, credit=credit)
         job.steps = steps(job)
         self.jobs[session.id] = job
 
@@ -253,7 +265,7 @@ class Scheduler:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
 
         def emit(job: Job, decoded: Decoded) -> None:
-            job.outstanding += bool(job.window)
+            job.outstanding += bool(job.credit)
             self.send(
                 route, Op.PARTIAL, env.request_id, session.id, p.Chunk(token_ids=[decoded.token], text=decoded.text)
             )
@@ -267,7 +279,7 @@ class Scheduler:
                     break
             prefill_s = time.perf_counter() - started
             prompt_tokens = queued - len(session.pending)
-            reason, text, completion, decode_s = "cancelled", "", 0, 0.0
+            reason, text, completion, decode_s = StopReason.CANCELLED, "", 0, 0.0
             if not job.cancelled:
                 started, before = time.perf_counter(), len(session.history)
                 reason, text = yield from self.engine.decode(
@@ -280,9 +292,11 @@ class Scheduler:
                 # next message continues a canonical history (pointless when
                 # a close waits). After a cancel inside the prefill the
                 # closing tokens just stay queued.
-                generated = text + (self.engine.tokenizer.decode(session.history[-1:]) if reason == "eos" else "")
+                generated = text + (
+                    self.engine.tokenizer.decode(session.history[-1:]) if reason is StopReason.EOS else ""
+                )
                 session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
-                if reason != "cancelled" or completion:
+                if reason is not StopReason.CANCELLED or completion:
                     yield from self.engine.prefill(session)
             self.send(
                 route,
@@ -300,7 +314,7 @@ class Scheduler:
                 ),
             )
 
-        self.start(route, env, session, steps, window=body.credit)
+        self.start(route, env, session, steps, credit=body.credit)
 
     def cancel(self, route: bytes, env: p.Envelope, body: p.Cancel, session: Session) -> None:
         job = self.jobs.get(session.id)

@@ -1,12 +1,9 @@
 """The worker's I/O thread: a DEALER to the broker's backend, heartbeats both
-ways, and an inproc PAIR to the compute thread. Socket I/O never waits on
-MLX (which releases the GIL while it computes), so heartbeats flow and cancel
-frames arrive during a long prefill or decode.
-
-Inproc messages: 3 frames [route, envelope, body] are requests (to compute)
-or replies (to the broker); 1 frame is control: to compute b"drop",
-b"drain", b"cancel_all"; from compute b"loaded" then b"idle" whenever it has
-no running job.
+ways, and the inproc pipe to the compute thread (worker/control.py says what
+flows on it). Socket I/O never waits on MLX (which releases the GIL while it
+computes), so heartbeats flow and cancel frames arrive during a long prefill
+or decode. Everything this thread knows of the compute thread's state came
+over the pipe.
 """
 
 from __future__ import annotations
@@ -24,12 +21,14 @@ from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import Op
 
+from . import control
+
 log = logs.get("worker")
 
-PIPE = "inproc://kvmux-compute"
 # Replies are small and the broker drains them at once; a deep send queue
 # only hides a stuck broker, which the heartbeat already catches.
 SEND_HWM = 10_000
+_DRAIN_POLL_MS = 50
 
 
 @dataclass
@@ -50,15 +49,20 @@ class Worker:
         self.id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.ctx = zmq.Context.instance()
         self.stop = threading.Event()
-        self.drain_requested = threading.Event()
-        self.scheduler = None
-        self.ready_body: bytes | None = None
+        self.drain_requested = threading.Event()  # set by SIGTERM/SIGINT
+        self.ready_body = b""  # from the compute thread's LOADED
+        self.status = control.Status(free_slabs=config.slabs, running=0, sessions=[])
+        self.broker: zmq.Socket | None = None
+        self.pipe: zmq.Socket | None = None
+        self.poller = zmq.Poller()
+        self.last_heard = self.next_beat = 0.0
+        self.drain_deadline: float | None = None
 
     # ------------------------------------------------------------ compute
 
     def _compute(self) -> None:
         pipe = self.ctx.socket(zmq.PAIR)
-        pipe.connect(PIPE)
+        pipe.connect(control.PIPE)
         try:
             import mlx.core as mx
 
@@ -71,130 +75,160 @@ class Worker:
             mx.set_default_stream(mx.new_stream(mx.default_device()))
             loaded = load(self.config.model)
             engine = Engine(loaded, max_sink=self.config.sink, max_window=self.config.window)
-            self.scheduler = Scheduler(engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe)
-            self.ready_body = p.encode(
-                p.WorkerReady(
-                    model=loaded.model_id,
-                    slabs=self.config.slabs,
-                    slab_bytes=engine.slab_bytes(self.config.sink, self.config.window),
-                    sink=self.config.sink,
-                    max_window=self.config.window,
-                    version=p.PROTOCOL_VERSION,
-                    pid=os.getpid(),
-                    host=socket.gethostname(),
-                    free_slabs=self.config.slabs,
-                )
+            scheduler = Scheduler(engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe)
+            ready = p.WorkerReady(
+                model=loaded.model_id,
+                slabs=self.config.slabs,
+                slab_bytes=engine.slab_bytes(self.config.sink, self.config.window),
+                sink=self.config.sink,
+                max_window=self.config.window,
+                version=p.PROTOCOL_VERSION,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                free_slabs=self.config.slabs,
             )
-            pipe.send(b"loaded")
-            self.scheduler.run(self.stop)
+            pipe.send_multipart([control.LOADED, p.encode(ready)])
+            scheduler.run(self.stop)
         except BaseException:
             log.exception("compute_failed")
-            pipe.send(b"failed")
+            pipe.send(control.FAILED)
         finally:
             pipe.close(linger=0)
 
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        self.pipe = self.ctx.socket(zmq.PAIR)
+        self.pipe.bind(control.PIPE)
+        compute = threading.Thread(target=self._compute, name="kvmux-compute", daemon=True)
+        compute.start()
+        first = self.pipe.recv_multipart()
+        if first[0] != control.LOADED:
+            return 1
+        self.ready_body = first[1]
+        signal.signal(signal.SIGTERM, lambda *_: self.drain_requested.set())
+        signal.signal(signal.SIGINT, lambda *_: self.drain_requested.set())
+
+        self.poller.register(self.pipe, zmq.POLLIN)
+        self._connect()
+        while not self._drained():
+            events = dict(self.poller.poll(self._poll_ms()))
+            now = time.monotonic()
+            if self.pipe in events and not self._pump_compute():
+                return 1
+            if self.broker in events:
+                self.last_heard = now
+                self._pump_broker()
+            self._check_broker(now)
+            self._beat(now)
+        self._send_broker(Op.DISCONNECT, p.Disconnect(reason="drained"))
+        log.info("worker_drained")
+        self.stop.set()
+        compute.join(timeout=5)
+        self.broker.close()
+        self.pipe.close(linger=0)
+        return 0
+
+    def _poll_ms(self) -> int:
+        if self.drain_deadline is not None:
+            return _DRAIN_POLL_MS
+        return max(0, int((self.next_beat - time.monotonic()) * 1000))
+
+    def _pump_compute(self) -> bool:
+        """Replies go to the broker; control frames update what we know.
+        False when the compute thread failed."""
+        while self.pipe.poll(0):
+            frames = self.pipe.recv_multipart()
+            if len(frames) == 3:
+                self.broker.send_multipart(frames)
+            elif frames[0] == control.STATUS:
+                self.status = control.decode_status(frames[1])
+            elif frames[0] == control.FAILED:
+                return False
+        return True
+
+    def _pump_broker(self) -> None:
+        """Requests go to the compute thread; heartbeats only prove the
+        broker alive; DISCONNECT means it forgot us."""
+        while self.broker.poll(0):
+            frames = self.broker.recv_multipart()
+            if len(frames) != 3:
+                log.warning("bad_frame_from_broker", parts=len(frames))
+                continue
+            op = _peek_op(frames[1])
+            if op == Op.HEARTBEAT:
+                continue
+            if op == Op.DISCONNECT:
+                log.warning("broker_disconnected_us")
+                self._reregister()
+                return
+            self.pipe.send_multipart(frames)
+
+    def _check_broker(self, now: float) -> None:
+        silent = now - self.last_heard
+        if silent > p.HEARTBEAT_LIVENESS * self.config.heartbeat_s:
+            log.warning("broker_silent", seconds=round(silent, 1))
+            self._reregister()
+
+    def _beat(self, now: float) -> None:
+        if now >= self.next_beat:
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        status = self.status
+        draining = self.drain_requested.is_set()
+        self._send_broker(
+            Op.HEARTBEAT, p.WorkerHeartbeat(free_slabs=status.free_slabs, running=status.running, draining=draining)
+        )
+        self.next_beat = time.monotonic() + self.config.heartbeat_s
+
+    # ------------------------------------------------------------ drain
+
+    def _drained(self) -> bool:
+        """Start a requested drain; True once no job runs (as the compute
+        thread says after it saw DRAIN: no request can start one later).
+        Past the grace period running jobs are cancelled (they end at their
+        next token)."""
+        if not self.drain_requested.is_set():
+            return False
+        now = time.monotonic()
+        if self.drain_deadline is None:
+            self.drain_deadline = now + self.config.grace_s
+            self.pipe.send(control.DRAIN)
+            self._heartbeat()  # tell the broker at once: no new sessions here
+            log.info("worker_draining", grace_s=self.config.grace_s)
+        if self.status.draining and self.status.running == 0:
+            return True
+        if now > self.drain_deadline:
+            self.pipe.send(control.CANCEL_ALL)
+            self.drain_deadline = float("inf")
+        return False
+
     # ------------------------------------------------------------ broker link
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, self.id.encode())
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(self.config.connect)
         sock.send_multipart([b"", p.envelope(Op.READY), self.ready_body])
+        self.broker = sock
+        self.poller.register(sock, zmq.POLLIN)
+        self.last_heard = time.monotonic()
+        self.next_beat = self.last_heard + self.config.heartbeat_s
         log.info("worker_registering", broker=self.config.connect, worker=self.id)
-        return sock
 
-    def _heartbeat(self, broker: zmq.Socket) -> None:
-        sched = self.scheduler
-        body = p.WorkerHeartbeat(
-            free_slabs=sched.pool.free, running=len(sched.jobs), draining=self.drain_requested.is_set()
-        )
-        broker.send_multipart([b"", p.envelope(Op.HEARTBEAT), p.encode(body)])
-
-    def run(self) -> int:
-        pipe = self.ctx.socket(zmq.PAIR)
-        pipe.bind(PIPE)
-        compute = threading.Thread(target=self._compute, name="kvmux-compute", daemon=True)
-        compute.start()
-        if pipe.recv() != b"loaded":
-            return 1
-        signal.signal(signal.SIGTERM, lambda *_: self.drain_requested.set())
-        signal.signal(signal.SIGINT, lambda *_: self.drain_requested.set())
-
-        broker = self._connect()
-        interval = self.config.heartbeat_s
-        liveness_s = p.HEARTBEAT_LIVENESS * interval
-        last_heard = time.monotonic()
-        next_beat = time.monotonic() + interval
-        drain_deadline = None
-        poller = zmq.Poller()
-        poller.register(pipe, zmq.POLLIN)
-        poller.register(broker, zmq.POLLIN)
-        while True:
-            if self.drain_requested.is_set() and drain_deadline is None:
-                drain_deadline = time.monotonic() + self.config.grace_s
-                pipe.send(b"drain")
-                self._heartbeat(broker)  # tell the broker at once: no new sessions here
-                log.info("worker_draining", grace_s=self.config.grace_s)
-            if drain_deadline is not None:
-                if not self.scheduler.jobs:
-                    break
-                if time.monotonic() > drain_deadline:
-                    pipe.send(b"cancel_all")
-                    drain_deadline = float("inf")  # cancelled jobs end at their next token
-            events = dict(
-                poller.poll(
-                    timeout=max(0, int((next_beat - time.monotonic()) * 1000)) if drain_deadline is None else 50
-                )
-            )
-            now = time.monotonic()
-            if pipe in events:
-                while pipe.poll(0):
-                    frames = pipe.recv_multipart()
-                    if len(frames) == 3:
-                        broker.send_multipart(frames)
-                    elif frames == [b"failed"]:
-                        return 1
-            if broker in events:
-                last_heard = now
-                while broker.poll(0):
-                    frames = broker.recv_multipart()
-                    if len(frames) != 3:
-                        log.warning("bad_frame_from_broker", parts=len(frames))
-                        continue
-                    op = _peek_op(frames[1])
-                    if op == Op.HEARTBEAT:
-                        continue
-                    if op == Op.DISCONNECT:
-                        log.warning("broker_disconnected_us")
-                        broker = self._reregister(poller, broker, pipe)
-                        continue
-                    pipe.send_multipart(frames)
-            if now - last_heard > liveness_s:
-                log.warning("broker_silent", seconds=round(now - last_heard, 1))
-                broker = self._reregister(poller, broker, pipe)
-                last_heard = now
-            if now >= next_beat:
-                self._heartbeat(broker)
-                next_beat = now + interval
-        broker.send_multipart([b"", p.envelope(Op.DISCONNECT), p.encode(p.Disconnect(reason="drained"))])
-        log.info("worker_drained")
-        self.stop.set()
-        compute.join(timeout=5)
-        broker.close()
-        pipe.close(linger=0)
-        return 0
-
-    def _reregister(self, poller: zmq.Poller, broker: zmq.Socket, pipe: zmq.Socket) -> zmq.Socket:
+    def _reregister(self) -> None:
         """A broker that lost us knows none of our sessions: drop them all and
         register anew on a fresh socket."""
-        pipe.send(b"drop")
-        poller.unregister(broker)
-        broker.close(linger=0)
-        broker = self._connect()
-        poller.register(broker, zmq.POLLIN)
-        return broker
+        self.pipe.send(control.DROP)
+        self.poller.unregister(self.broker)
+        self.broker.close(linger=0)
+        self._connect()
+
+    def _send_broker(self, op: str, body) -> None:
+        self.broker.send_multipart([b"", p.envelope(op), p.encode(body)])
 
 
 def _peek_op(raw_env: bytes) -> str | None:

@@ -1,4 +1,5 @@
-"""The asyncio client: the same surface as the sync one, on zmq.asyncio.
+"""The asyncio client: core.py's logic on zmq.asyncio, with the same surface
+as the sync one.
 
 One DEALER per `AsyncClient`, read by one task that demultiplexes replies to
 per-request queues. Use it from one event loop. Cancelling the task that
@@ -8,7 +9,6 @@ iterates a stream, or breaking out of `async for`, cancels the generation.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from typing import Any
 
 import zmq
@@ -17,7 +17,7 @@ import zmq.asyncio
 from kvmux import paths
 from kvmux import protocol as p
 
-from . import errors, wire
+from . import core, errors, wire
 
 
 class AsyncClient:
@@ -33,8 +33,7 @@ class AsyncClient:
     ):
         self.endpoint = endpoint or paths.default_frontend()
         self.timeout = timeout
-        self._ids = itertools.count(1)
-        self._calls: dict[int, asyncio.Queue] = {}
+        self._calls = core.Calls()
         self._sessions: dict[str, AsyncSession] = {}
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -49,21 +48,21 @@ class AsyncClient:
         self, system: str | None = None, *, timeout: float | None = None, **options: Any
     ) -> AsyncSession:
         """See `Client.open_session`."""
-        body = wire.open_body(system, **options)
-        wait = (timeout or self.timeout) + (body.queue_wait_s or 0.0)
-        opened = await self._call(p.Op.OPEN, "", body, wait)
-        session = AsyncSession(self, opened)
-        self._sessions[session.id] = session
-        return session
+        *request, wait = core.open_request(system, timeout, self.timeout, options)
+        return self._session(await self._call(*request, wait))
+
+    async def resume_session(self, session_id: str, *, timeout: float | None = None) -> AsyncSession:
+        """See `Client.resume_session`."""
+        return self._session(await self._call(*core.resume_request(session_id), timeout))
 
     async def stats(self, *, timeout: float | None = None) -> p.BrokerStats:
-        return await self._call(p.Op.STATS, "", p.Stats(), timeout)
+        return await self._call(*core.stats_request(), timeout)
 
     async def ping(self, *, timeout: float | None = None) -> p.Pong:
-        return await self._call(p.Op.PING, "", p.Ping(), timeout)
+        return await self._call(*core.ping_request(), timeout)
 
     async def drain(self, grace_s: float | None = None, *, timeout: float | None = None) -> p.Ack:
-        return await self._call(p.Op.DRAIN, "", p.Drain(grace_s=grace_s), timeout)
+        return await self._call(*core.drain_request(grace_s), timeout)
 
     async def close(self) -> None:
         """Close this client's open sessions (best effort), then the socket."""
@@ -91,15 +90,20 @@ class AsyncClient:
 
     # ------------------------------------------------------------- internals
 
+    def _session(self, opened: p.SessionOpened) -> AsyncSession:
+        session = self._sessions.get(opened.session_id)
+        if session is None:
+            session = self._sessions[opened.session_id] = AsyncSession(self, opened)
+        return session
+
     async def _request(self, op: str, session_id: str, body: Any) -> tuple[int, asyncio.Queue]:
         if self._closed:
             raise errors.KvmuxError("client is closed")
         if self._reader is None:
             self._loop = asyncio.get_running_loop()
             self._reader = self._loop.create_task(self._read())
-        rid = next(self._ids)
         replies: asyncio.Queue = asyncio.Queue()
-        self._calls[rid] = replies
+        rid = self._calls.add(replies)
         await self._socket.send_multipart(wire.frames(op, rid, session_id, body))
         return rid, replies
 
@@ -109,18 +113,15 @@ class AsyncClient:
         if self._closed or self._loop is None:
             return
         try:
-            self._loop.call_soon_threadsafe(self._socket.send_multipart, parts_for_id(next(self._ids)))
+            self._loop.call_soon_threadsafe(self._socket.send_multipart, parts_for_id(self._calls.next_id()))
         except RuntimeError:  # the loop is closed
             pass
 
-    async def _wait(
-        self, rid: int, replies: asyncio.Queue, timeout: float | None, what: str, session_id: str = ""
-    ) -> wire.Reply:
+    async def _wait(self, rid: int, replies: asyncio.Queue, timeout: float | None, what: str, session_id: str = ""):
         timeout = self.timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(replies.get(), timeout)
         except asyncio.TimeoutError:
-            self._calls.pop(rid, None)
             raise wire.timeout_error(what, timeout, rid, session_id) from None
 
     async def _call(self, op: str, session_id: str, body: Any, timeout: float | None) -> Any:
@@ -128,35 +129,27 @@ class AsyncClient:
         try:
             return wire.unwrap(await self._wait(rid, replies, timeout, op, session_id))
         finally:
-            self._calls.pop(rid, None)
+            self._calls.pop(rid)
 
     async def _read(self) -> None:
         while True:
-            reply = wire.parse(await self._socket.recv_multipart())
-            if reply is None:
-                continue
-            replies = self._calls.pop(reply.request_id, None) if reply.last else self._calls.get(reply.request_id)
-            if replies is None:
-                wire.log.debug("reply to unknown request %d dropped (timed out or cancelled)", reply.request_id)
-                continue
-            replies.put_nowait(reply)
+            routed = self._calls.route(await self._socket.recv_multipart())
+            if routed is not None:
+                replies, reply = routed
+                replies.put_nowait(reply)
 
 
-class AsyncSession:
+class AsyncSession(core.SessionCore):
     """See `Session`; every call is a coroutine except `chat`/`generate`,
     which return an `AsyncStream` to iterate with `async for`."""
 
-    def __init__(self, client: AsyncClient, opened: p.SessionOpened):
-        self.client = client
-        self.opened = opened
-        self.id = opened.session_id
-        self._feed: _AsyncFeed | None = None
-        self._closed = False
+    client: AsyncClient
 
     def chat(self, text: str, *, timeout: float | None = None, **options: Any) -> AsyncStream:
-        return self.generate(messages=[p.ChatMessage(role="user", content=text)], timeout=timeout, **options)
+        return self.generate(timeout=timeout, **core.chat_options(text, options))
 
     def generate(self, *, timeout: float | None = None, **options: Any) -> AsyncStream:
+        self.check_open()
         return AsyncStream(self, wire.generate_body(**options), timeout)
 
     async def append(
@@ -167,35 +160,31 @@ class AsyncSession:
         timeout: float | None = None,
     ) -> p.Appended:
         await self._settle()
-        return await self.client._call(p.Op.APPEND, self.id, wire.append_body(messages, token_ids), timeout)
+        return await self.client._call(*self.append_request(messages, token_ids), timeout)
 
     async def cancel(self, *, timeout: float | None = None) -> p.Ack:
-        return await self.client._call(p.Op.CANCEL, self.id, p.Cancel(), timeout)
+        return await self.client._call(*self.cancel_request(), timeout)
 
     async def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
-        return await self.client._call(p.Op.INFO, self.id, p.Info(token_ids=token_ids), timeout)
+        return await self.client._call(*self.info_request(token_ids), timeout)
 
     async def close(self, *, timeout: float | None = None) -> p.Closed | None:
-        if self._closed:
+        if self.closed:
             return None
         await self._settle()
-        self._closed = True
-        self.client._sessions.pop(self.id, None)
-        return await self.client._call(p.Op.CLOSE, self.id, p.Close(), timeout)
+        return await self.client._call(*self.close_request(), timeout)
 
-    async def _start(self, body: p.Generate, timeout: float | None) -> _AsyncFeed:
+    async def _start(self, body: p.Generate, timeout: float | None) -> core.StreamCore:
         await self._settle()
         rid, replies = await self.client._request(p.Op.GENERATE, self.id, body)
-        self._feed = _AsyncFeed(self.client, wire.StreamState(rid, self.id, body.credit), replies, timeout)
-        return self._feed
+        self.reader = core.StreamCore(self.client, rid, self.id, body.credit, replies, timeout)
+        return self.reader
 
     async def _settle(self) -> None:
-        if self._closed:
-            raise errors.SessionNotFound(f"session {self.id} was closed", session_id=self.id)
-        if self._feed is not None:
-            feed, self._feed = self._feed, None
+        reader = self.take_reader()
+        if reader is not None:
             try:
-                await feed.close()
+                await _drain(reader)
             except errors.KvmuxError:
                 pass  # how an abandoned stream ended is nobody's concern now
 
@@ -205,80 +194,68 @@ class AsyncSession:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def __repr__(self) -> str:
-        return f"AsyncSession({self.id!r}, worker={self.opened.worker_id!r})"
+
+async def _next(reader: core.StreamCore) -> p.Chunk | None:
+    state = reader.state
+    if state.done:
+        return None
+    try:
+        reply = await reader.client._wait(
+            state.request_id, reader.replies, reader.timeout, "generate", state.session_id
+        )
+    except errors.Timeout:
+        state.done = True
+        reader.client._calls.pop(state.request_id)
+        reader.cancel()
+        raise
+    except asyncio.CancelledError:
+        reader.cancel()
+        raise
+    return reader.take(reply)
 
 
-class _AsyncFeed:
-    """The consuming side of one stream, kept by the session so it can drain
-    a stream its user dropped or whose task was cancelled."""
-
-    def __init__(self, client: AsyncClient, state: wire.StreamState, replies: asyncio.Queue, timeout: float | None):
-        self.client = client
-        self.state = state
-        self.replies = replies
-        self.timeout = timeout
-
-    async def next(self) -> p.Chunk | None:
-        state = self.state
-        if state.done:
-            return None
-        try:
-            reply = await self.client._wait(state.request_id, self.replies, self.timeout, "generate", state.session_id)
-        except errors.Timeout:
-            state.done = True
-            self.cancel()
-            raise
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        chunk = state.feed(reply)
-        n = state.grant()
-        if n:
-            self.client._send(lambda rid: state.credit_frames(n, rid))
-        return chunk
-
-    def cancel(self) -> None:
-        if not self.state.cancel_sent:
-            self.client._send(self.state.cancel_frames)
-
-    async def close(self) -> None:
-        if self.state.done:
-            return
-        self.cancel()
-        while await self.next() is not None:
-            pass
+async def _drain(reader: core.StreamCore) -> None:
+    if reader.state.done:
+        return
+    reader.cancel()
+    while await _next(reader) is not None:
+        pass
 
 
 class AsyncStream:
     """Async iterator of `Chunk`s; `.result` holds the `GenerateResult` after
-    it ends. The request goes out on the first `__anext__`."""
+    it ends. The request goes out on the first `__anext__` (`request_id` is
+    None until then)."""
 
     def __init__(self, session: AsyncSession, body: p.Generate, timeout: float | None):
         self.session = session
         self._body = body
         self._timeout = timeout
-        self._feed: _AsyncFeed | None = None
+        self._reader: core.StreamCore | None = None
 
     @property
     def result(self) -> p.GenerateResult | None:
-        return self._feed.state.result if self._feed else None
+        return self._reader.state.result if self._reader else None
+
+    @property
+    def request_id(self) -> int | None:
+        return self._reader.state.request_id if self._reader else None
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> p.Chunk:
-        if self._feed is None:
-            self._feed = await self.session._start(self._body, self._timeout)
-        chunk = await self._feed.next()
+        if self._reader is None:
+            self._reader = await self.session._start(self._body, self._timeout)
+        chunk = await _next(self._reader)
         if chunk is None:
             raise StopAsyncIteration
         return chunk
 
     async def aclose(self) -> None:
         """Cancel the generation if it runs and wait for its end."""
-        if self._feed is not None:
-            await self._feed.close()
+        if self._reader is not None:
+            await _drain(self._reader)
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -287,6 +264,6 @@ class AsyncStream:
         await self.aclose()
 
     def __del__(self) -> None:
-        feed = getattr(self, "_feed", None)
-        if feed is not None and not feed.state.done:
-            feed.cancel()
+        reader = getattr(self, "_reader", None)
+        if reader is not None and not reader.state.done:
+            reader.cancel()

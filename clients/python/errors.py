@@ -43,6 +43,10 @@ class SessionExpired(KvmuxError):
     code = ErrorCode.SESSION_EXPIRED
 
 
+class SessionCorrupt(KvmuxError):
+    code = ErrorCode.SESSION_CORRUPT
+
+
 class InvalidArgument(KvmuxError):
     code = ErrorCode.INVALID_ARGUMENT
 

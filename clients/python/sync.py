@@ -1,16 +1,15 @@
-"""The blocking client.
+"""The blocking client: core.py's logic over a background I/O thread.
 
-One DEALER socket per `Client`, owned by a background I/O thread: callers
-queue frames for it and wait on a per-request queue it fills, so replies of
-many sessions and interleaved streams are demultiplexed by request id, and a
-`Client` (with its sessions) may be shared between threads. A stream should
-be consumed by one thread at a time.
+One DEALER socket per `Client`, owned by that thread: callers queue frames
+for it and wait on a per-request queue it fills, so replies of many sessions
+and interleaved streams are demultiplexed by request id, and a `Client` (with
+its sessions) may be shared between threads. A stream should be consumed by
+one thread at a time.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import queue
 import threading
@@ -21,7 +20,7 @@ import zmq
 from kvmux import paths
 from kvmux import protocol as p
 
-from . import errors, wire
+from . import core, errors, wire
 
 
 class Client:
@@ -37,8 +36,7 @@ class Client:
     ):
         self.endpoint = endpoint or paths.default_frontend()
         self.timeout = timeout
-        self._ids = itertools.count(1)
-        self._calls: dict[int, queue.SimpleQueue] = {}
+        self._calls = core.Calls()
         self._outbox: collections.deque = collections.deque()
         self._sessions: dict[str, Session] = {}
         self._closed = False
@@ -59,23 +57,23 @@ class Client:
         """Open a session (takes a slab). Options: sink, window, sampling
         defaults (max_tokens, temperature, top_p, top_k, seed, stop, or
         `sampling=`), admission, queue_wait_s, client_name."""
-        body = wire.open_body(system, **options)
-        # A queued open may legitimately wait queue_wait_s before its answer.
-        wait = (timeout or self.timeout) + (body.queue_wait_s or 0.0)
-        opened = self._call(p.Op.OPEN, "", body, wait)
-        session = Session(self, opened)
-        self._sessions[session.id] = session
-        return session
+        *request, wait = core.open_request(system, timeout, self.timeout, options)
+        return self._session(self._call(*request, wait))
+
+    def resume_session(self, session_id: str, *, timeout: float | None = None) -> Session:
+        """A session object for an existing session id (from any connection);
+        raises SessionNotFound or SessionExpired."""
+        return self._session(self._call(*core.resume_request(session_id), timeout))
 
     def stats(self, *, timeout: float | None = None) -> p.BrokerStats:
-        return self._call(p.Op.STATS, "", p.Stats(), timeout)
+        return self._call(*core.stats_request(), timeout)
 
     def ping(self, *, timeout: float | None = None) -> p.Pong:
-        return self._call(p.Op.PING, "", p.Ping(), timeout)
+        return self._call(*core.ping_request(), timeout)
 
     def drain(self, grace_s: float | None = None, *, timeout: float | None = None) -> p.Ack:
         """Ask the broker to stop admitting sessions and shut down gracefully."""
-        return self._call(p.Op.DRAIN, "", p.Drain(grace_s=grace_s), timeout)
+        return self._call(*core.drain_request(grace_s), timeout)
 
     def close(self) -> None:
         """Close this client's open sessions (best effort), then the socket."""
@@ -100,6 +98,12 @@ class Client:
 
     # ------------------------------------------------------------- internals
 
+    def _session(self, opened: p.SessionOpened) -> Session:
+        session = self._sessions.get(opened.session_id)
+        if session is None:
+            session = self._sessions[opened.session_id] = Session(self, opened)
+        return session
+
     def _post(self, parts: list[bytes] | None) -> None:
         self._outbox.append(parts)
         try:
@@ -110,30 +114,29 @@ class Client:
     def _request(self, op: str, session_id: str, body: Any) -> tuple[int, queue.SimpleQueue]:
         if self._closed:
             raise errors.KvmuxError("client is closed")
-        rid = next(self._ids)
         replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._calls[rid] = replies
+        rid = self._calls.add(replies)
         self._post(wire.frames(op, rid, session_id, body))
         return rid, replies
 
     def _send(self, parts_for_id) -> None:
         """Send a frame that expects no reply we wait for (cancel, credit)."""
         if not self._closed:
-            self._post(parts_for_id(next(self._ids)))
+            self._post(parts_for_id(self._calls.next_id()))
 
-    def _wait(
-        self, rid: int, replies: queue.SimpleQueue, timeout: float | None, what: str, session_id: str = ""
-    ) -> wire.Reply:
+    def _wait(self, rid: int, replies: queue.SimpleQueue, timeout: float | None, what: str, session_id: str = ""):
         timeout = self.timeout if timeout is None else timeout
         try:
             return replies.get(timeout=timeout)
         except queue.Empty:
-            self._calls.pop(rid, None)
             raise wire.timeout_error(what, timeout, rid, session_id) from None
 
     def _call(self, op: str, session_id: str, body: Any, timeout: float | None) -> Any:
         rid, replies = self._request(op, session_id, body)
-        return wire.unwrap(self._wait(rid, replies, timeout, op, session_id))
+        try:
+            return wire.unwrap(self._wait(rid, replies, timeout, op, session_id))
+        finally:
+            self._calls.pop(rid)
 
     def _io(self) -> None:
         poller = zmq.Poller()
@@ -162,13 +165,10 @@ class Client:
             self._socket.send_multipart(parts, flags=zmq.NOBLOCK)
         except zmq.Again:
             rid = p.decode_envelope(parts[0]).request_id
-            replies = self._calls.pop(rid, None)
+            replies = self._calls.pop(rid)
             if replies is not None:
-                replies.put(
-                    wire.Reply(
-                        p.Op.ERROR, rid, "", errors.Timeout("send queue full: is the broker running?", request_id=rid)
-                    )
-                )
+                error = errors.Timeout("send queue full: is the broker running?", request_id=rid)
+                replies.put(wire.Reply(p.Op.ERROR, rid, "", error))
 
     def _receive(self) -> None:
         while True:
@@ -176,31 +176,24 @@ class Client:
                 parts = self._socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reply = wire.parse(parts)
-            if reply is None:
-                continue
-            replies = self._calls.pop(reply.request_id, None) if reply.last else self._calls.get(reply.request_id)
-            if replies is None:
-                wire.log.debug("reply to unknown request %d dropped (timed out or cancelled)", reply.request_id)
-                continue
-            replies.put(reply)
+            routed = self._calls.route(parts)
+            if routed is not None:
+                replies, reply = routed
+                replies.put(reply)
 
 
-class Session:
-    """A chat session bound to one worker's slab. Use it as a context manager
+class Session(core.SessionCore):
+    """A chat session. Its history lives in the daemon (in a slab, or in the
+    session store while idle) until it is closed; use it as a context manager
     to close it on exit. At most one append/generate runs at a time; starting
-    one while an earlier stream is unfinished cancels and drains that stream."""
+    one while an earlier stream is unfinished cancels and drains that
+    stream."""
 
-    def __init__(self, client: Client, opened: p.SessionOpened):
-        self.client = client
-        self.opened = opened
-        self.id = opened.session_id
-        self._feed: _Feed | None = None
-        self._closed = False
+    client: Client
 
     def chat(self, text: str, *, timeout: float | None = None, **options: Any) -> Stream:
         """Append a user message and generate the reply (one round trip)."""
-        return self.generate(messages=[p.ChatMessage(role="user", content=text)], timeout=timeout, **options)
+        return self.generate(timeout=timeout, **core.chat_options(text, options))
 
     def generate(self, *, timeout: float | None = None, **options: Any) -> Stream:
         """Stream a generation. Options: max_tokens, temperature, top_p, top_k,
@@ -208,8 +201,8 @@ class Session:
         self._settle()
         body = wire.generate_body(**options)
         rid, replies = self.client._request(p.Op.GENERATE, self.id, body)
-        self._feed = _Feed(self.client, wire.StreamState(rid, self.id, body.credit), replies, timeout)
-        return Stream(self._feed)
+        self.reader = core.StreamCore(self.client, rid, self.id, body.credit, replies, timeout)
+        return Stream(self.reader)
 
     def append(
         self,
@@ -220,32 +213,29 @@ class Session:
     ) -> p.Appended:
         """Append chat messages (rendered with the chat template) or raw token ids."""
         self._settle()
-        return self.client._call(p.Op.APPEND, self.id, wire.append_body(messages, token_ids), timeout)
+        return self.client._call(*self.append_request(messages, token_ids), timeout)
 
     def cancel(self, *, timeout: float | None = None) -> p.Ack:
         """Cancel the running append/generate; the stream ends with stop_reason
         "cancelled" and the session stays usable."""
-        return self.client._call(p.Op.CANCEL, self.id, p.Cancel(), timeout)
+        return self.client._call(*self.cancel_request(), timeout)
 
     def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
-        return self.client._call(p.Op.INFO, self.id, p.Info(token_ids=token_ids), timeout)
+        return self.client._call(*self.info_request(token_ids), timeout)
 
     def close(self, *, timeout: float | None = None) -> p.Closed | None:
-        """Free the session's slab (None if it was already closed here)."""
-        if self._closed:
+        """Free the session, its slab and its stored record (None if it was
+        already closed here)."""
+        if self.closed:
             return None
         self._settle()
-        self._closed = True
-        self.client._sessions.pop(self.id, None)
-        return self.client._call(p.Op.CLOSE, self.id, p.Close(), timeout)
+        return self.client._call(*self.close_request(), timeout)
 
     def _settle(self) -> None:
-        if self._closed:
-            raise errors.SessionNotFound(f"session {self.id} was closed", session_id=self.id)
-        if self._feed is not None:
-            feed, self._feed = self._feed, None
+        reader = self.take_reader()
+        if reader is not None:
             try:
-                feed.close()
+                _drain(reader)
             except errors.KvmuxError:
                 pass  # how an abandoned stream ended is nobody's concern now
 
@@ -255,46 +245,27 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"Session({self.id!r}, worker={self.opened.worker_id!r})"
+
+def _next(reader: core.StreamCore) -> p.Chunk | None:
+    state = reader.state
+    if state.done:
+        return None
+    try:
+        reply = reader.client._wait(state.request_id, reader.replies, reader.timeout, "generate", state.session_id)
+    except errors.Timeout:
+        state.done = True
+        reader.client._calls.pop(state.request_id)
+        reader.cancel()
+        raise
+    return reader.take(reply)
 
 
-class _Feed:
-    """The consuming side of one generate stream. The session keeps it (not
-    the user's `Stream`) so it can drain a stream its user dropped."""
-
-    def __init__(self, client: Client, state: wire.StreamState, replies: queue.SimpleQueue, timeout: float | None):
-        self.client = client
-        self.state = state
-        self.replies = replies
-        self.timeout = timeout
-
-    def next(self) -> p.Chunk | None:
-        state = self.state
-        if state.done:
-            return None
-        try:
-            reply = self.client._wait(state.request_id, self.replies, self.timeout, "generate", state.session_id)
-        except errors.Timeout:
-            state.done = True
-            self.cancel()
-            raise
-        chunk = state.feed(reply)
-        n = state.grant()
-        if n:
-            self.client._send(lambda rid: state.credit_frames(n, rid))
-        return chunk
-
-    def cancel(self) -> None:
-        if not self.state.cancel_sent:
-            self.client._send(self.state.cancel_frames)
-
-    def close(self) -> None:
-        if self.state.done:
-            return
-        self.cancel()
-        while self.next() is not None:
-            pass
+def _drain(reader: core.StreamCore) -> None:
+    if reader.state.done:
+        return
+    reader.cancel()
+    while _next(reader) is not None:
+        pass
 
 
 class Stream:
@@ -302,22 +273,22 @@ class Stream:
     `.result` is the final `GenerateResult`. Breaking out of the loop (once
     the stream is dropped) or `close()` cancels the generation."""
 
-    def __init__(self, feed: _Feed):
-        self._feed = feed
+    def __init__(self, reader: core.StreamCore):
+        self._reader = reader
 
     @property
     def result(self) -> p.GenerateResult | None:
-        return self._feed.state.result
+        return self._reader.state.result
 
     @property
-    def request_id(self) -> int:
-        return self._feed.state.request_id
+    def request_id(self) -> int | None:
+        return self._reader.state.request_id
 
     def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> p.Chunk:
-        chunk = self._feed.next()
+        chunk = _next(self._reader)
         if chunk is None:
             raise StopIteration
         return chunk
@@ -325,7 +296,7 @@ class Stream:
     def close(self) -> None:
         """Cancel the generation if it still runs and wait for its end, so the
         session is ready for the next turn."""
-        self._feed.close()
+        _drain(self._reader)
 
     def __enter__(self) -> Stream:
         return self
@@ -336,6 +307,6 @@ class Stream:
     def __del__(self) -> None:
         # Dropped unfinished (a `break`): tell the worker to stop now; the
         # session drains what is left before its next operation.
-        feed = getattr(self, "_feed", None)
-        if feed is not None and not feed.state.done:
-            feed.cancel()
+        reader = getattr(self, "_reader", None)
+        if reader is not None and not reader.state.done:
+            reader.cancel()

@@ -115,7 +115,7 @@ class StreamState:
         self.cancel_sent = False
         self._unacked = 0
 
-    def feed(self, reply: Reply) -> p.Chunk | None:
+    def take(self, reply: Reply) -> p.Chunk | None:
         """The next chunk, or None once the final result is in; raises the
         ERROR it ends with."""
         if reply.last:

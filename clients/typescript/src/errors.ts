@@ -29,6 +29,7 @@ export class KvmuxError extends Error {
 
 export class SessionNotFound extends KvmuxError { static override readonly code = "session_not_found"; }
 export class SessionExpired extends KvmuxError { static override readonly code = "session_expired"; }
+export class SessionCorrupt extends KvmuxError { static override readonly code = "session_corrupt"; }
 export class InvalidArgument extends KvmuxError { static override readonly code = "invalid_argument"; }
 export class MalformedFrame extends KvmuxError { static override readonly code = "malformed_frame"; }
 export class UnknownOp extends KvmuxError { static override readonly code = "unknown_op"; }
@@ -43,7 +44,7 @@ export class Timeout extends KvmuxError { static override readonly code = "timeo
 export class Internal extends KvmuxError { static override readonly code = "internal"; }
 
 export const ERRORS: Record<string, typeof KvmuxError> = Object.fromEntries(
-  [SessionNotFound, SessionExpired, InvalidArgument, MalformedFrame, UnknownOp, Busy, Overloaded, WorkerLost,
+  [SessionNotFound, SessionExpired, SessionCorrupt, InvalidArgument, MalformedFrame, UnknownOp, Busy, Overloaded, WorkerLost,
     Cancelled, VersionMismatch, FrameTooLarge, Timeout, Internal].map((cls) => [cls.code, cls]),
 );
 

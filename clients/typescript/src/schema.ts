@@ -18,15 +18,19 @@ export const Op = {
   "STATS": "stats",
   "PING": "ping",
   "DRAIN": "drain",
+  "RESUME": "resume",
+  "SESSIONS": "sessions",
   "READY": "ready",
   "HEARTBEAT": "heartbeat",
   "DISCONNECT": "disconnect",
+  "HIBERNATE": "hibernate",
+  "RESTORED": "restored",
   "PARTIAL": "partial",
   "FINAL": "final",
   "ERROR": "error"
 } as const;
 
-export const ERROR_CODES = ["session_not_found", "session_expired", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
+export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
 
 export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled"] as const;
 
@@ -70,12 +74,17 @@ export const SCHEMAS: Record<string, StructTable> = {
   "Info": {"tag": null, "array": false, "fields": [
     ["token_ids", "bool", false],
   ]},
-  "Close": {"tag": null, "array": false, "fields": []},
+  "Close": {"tag": null, "array": false, "fields": [
+    ["keep", "bool", false],
+  ]},
   "Stats": {"tag": null, "array": false, "fields": []},
   "Ping": {"tag": null, "array": false, "fields": []},
   "Drain": {"tag": null, "array": false, "fields": [
     ["grace_s", "float", null],
   ]},
+  "Resume": {"tag": null, "array": false, "fields": []},
+  "ListSessions": {"tag": null, "array": false, "fields": []},
+  "Hibernate": {"tag": null, "array": false, "fields": []},
   "WorkerReady": {"tag": null, "array": false, "fields": [
     ["model", "str"],
     ["slabs", "int"],
@@ -86,6 +95,8 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["pid", "int"],
     ["host", "str"],
     ["free_slabs", "int"],
+    ["sessions", {"list": "str"}, []],
+    ["store", "str", ""],
   ]},
   "WorkerHeartbeat": {"tag": null, "array": false, "fields": [
     ["free_slabs", "int"],
@@ -94,6 +105,11 @@ export const SCHEMAS: Record<string, StructTable> = {
   ]},
   "Disconnect": {"tag": null, "array": false, "fields": [
     ["reason", "str", ""],
+  ]},
+  "Restored": {"tag": null, "array": false, "fields": [
+    ["session_id", "str"],
+    ["seconds", "float"],
+    ["replayed_tokens", "int", 0],
   ]},
   "ChatMessage": {"tag": null, "array": false, "fields": [
     ["role", "str"],
@@ -119,6 +135,20 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["sessions", "int"],
     ["frames_forwarded", "int"],
     ["last_seen_s", "float"],
+  ]},
+  "SessionSummary": {"tag": null, "array": false, "fields": [
+    ["session_id", "str"],
+    ["state", "str"],
+    ["owner", "str"],
+    ["worker_id", "str", ""],
+    ["history_tokens", "int"],
+    ["idle_s", "float"],
+    ["bytes_on_disk", "int"],
+    ["created", "float"],
+  ]},
+  "Refused": {"tag": null, "array": false, "fields": [
+    ["reason", "str"],
+    ["count", "int"],
   ]},
   "SessionOpened": {"tag": "opened", "array": false, "fields": [
     ["session_id", "str"],
@@ -161,9 +191,20 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["busy", "bool"],
     ["messages", "int"],
     ["token_ids", {"list": "int"}, null],
+    ["state", "str", "live"],
+    ["restores", "int", 0],
+    ["last_restore_s", "float", 0.0],
   ]},
   "Closed": {"tag": "closed", "array": false, "fields": [
     ["session_id", "str"],
+  ]},
+  "Hibernated": {"tag": "hibernated", "array": false, "fields": [
+    ["session_id", "str"],
+    ["bytes", "int"],
+    ["seconds", "float"],
+  ]},
+  "SessionList": {"tag": "sessions", "array": false, "fields": [
+    ["sessions", {"list": {"struct": "SessionSummary"}}],
   ]},
   "Ack": {"tag": "ack", "array": false, "fields": []},
   "Pong": {"tag": "pong", "array": false, "fields": [
@@ -185,6 +226,14 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["queue_wait_p50_s", "float", 0.0],
     ["queue_wait_p99_s", "float", 0.0],
     ["draining", "bool", false],
+    ["refused", {"list": {"struct": "Refused"}}, []],
+    ["sessions_live", "int", 0],
+    ["sessions_hibernated", "int", 0],
+    ["hibernations", "int", 0],
+    ["restores", "int", 0],
+    ["restore_p50_s", "float", 0.0],
+    ["restore_p99_s", "float", 0.0],
+    ["store_bytes", "int", 0],
   ]},
   "Error": {"tag": "error", "array": false, "fields": [
     ["code", "str"],
@@ -237,7 +286,9 @@ export interface Info {
   tokenIds?: boolean;
 }
 
-export interface Close {}
+export interface Close {
+  keep?: boolean;
+}
 
 export interface Stats {}
 
@@ -246,6 +297,12 @@ export interface Ping {}
 export interface Drain {
   graceS?: number;
 }
+
+export interface Resume {}
+
+export interface ListSessions {}
+
+export interface Hibernate {}
 
 export interface WorkerReady {
   model: string;
@@ -257,6 +314,8 @@ export interface WorkerReady {
   pid: number;
   host: string;
   freeSlabs: number;
+  sessions?: string[];
+  store?: string;
 }
 
 export interface WorkerHeartbeat {
@@ -267,6 +326,12 @@ export interface WorkerHeartbeat {
 
 export interface Disconnect {
   reason?: string;
+}
+
+export interface Restored {
+  sessionId: string;
+  seconds: number;
+  replayedTokens?: number;
 }
 
 export interface ChatMessage {
@@ -295,6 +360,22 @@ export interface WorkerStats {
   sessions: number;
   framesForwarded: number;
   lastSeenS: number;
+}
+
+export interface SessionSummary {
+  sessionId: string;
+  state: string;
+  owner: string;
+  workerId?: string;
+  historyTokens: number;
+  idleS: number;
+  bytesOnDisk: number;
+  created: number;
+}
+
+export interface Refused {
+  reason: string;
+  count: number;
 }
 
 export interface SessionOpened {
@@ -347,11 +428,26 @@ export interface SessionInfo {
   busy: boolean;
   messages: number;
   tokenIds?: number[];
+  state?: string;
+  restores?: number;
+  lastRestoreS?: number;
 }
 
 export interface Closed {
   type: "closed";
   sessionId: string;
+}
+
+export interface Hibernated {
+  type: "hibernated";
+  sessionId: string;
+  bytes: number;
+  seconds: number;
+}
+
+export interface SessionList {
+  type: "sessions";
+  sessions: SessionSummary[];
 }
 
 export interface Ack {
@@ -380,6 +476,14 @@ export interface BrokerStats {
   queueWaitP50S?: number;
   queueWaitP99S?: number;
   draining?: boolean;
+  refused?: Refused[];
+  sessionsLive?: number;
+  sessionsHibernated?: number;
+  hibernations?: number;
+  restores?: number;
+  restoreP50S?: number;
+  restoreP99S?: number;
+  storeBytes?: number;
 }
 
 export interface ErrorReply {
@@ -391,4 +495,4 @@ export interface ErrorReply {
   queueDepth?: number;
 }
 
-export type Reply = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Closed | Ack | Pong | BrokerStats | ErrorReply;
+export type Reply = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Closed | Hibernated | SessionList | Ack | Pong | BrokerStats | ErrorReply;

@@ -1,0 +1,45 @@
+"""The inproc pipe between a worker's I/O thread (server.py) and its compute
+thread (scheduler.py): the only thing the two threads share.
+
+Three-part messages `[route, envelope, body]` are requests (I/O -> compute)
+or replies (compute -> I/O), passed through as the broker framed them.
+Anything else is control, `[name]` or `[name, payload]`:
+
+    I/O -> compute   DROP          forget every session (a broker that lost us knows none)
+                     DRAIN         take no new sessions, finish running work
+                     CANCEL_ALL    the drain's grace is over: cancel every job
+    compute -> I/O   LOADED, ready the model is loaded; payload: the READY body
+                     FAILED        loading or the compute loop died
+                     STATUS, body  slabs and jobs changed; payload: `Status`
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PIPE = "inproc://kvmux-compute"
+
+DROP = b"drop"
+DRAIN = b"drain"
+CANCEL_ALL = b"cancel_all"
+LOADED = b"loaded"
+FAILED = b"failed"
+STATUS = b"status"
+
+
+class Status(msgspec.Struct, array_like=True):
+    """What the I/O thread reports in heartbeats and READY, and waits on to
+    finish a drain."""
+
+    free_slabs: int
+    running: int  # jobs (appends and generates) in progress
+    sessions: list[str]  # live sessions held in slabs
+    draining: bool = False  # DRAIN was seen: `running` counts every job there will be
+
+
+def encode_status(status: Status) -> bytes:
+    return msgspec.msgpack.encode(status)
+
+
+def decode_status(raw: bytes) -> Status:
+    return msgspec.msgpack.decode(raw, type=Status)
