@@ -25,13 +25,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmux import logs
 from kvmux.client import Client
 
 from . import bare, hf, roundtrip, spawn
 from .report import ReportWriter
-
-log = logs.get("bench")
 
 STORY = "Write a long story about a dragon who learns to bake bread in a small mountain village."
 PASSAGE = (

@@ -42,7 +42,8 @@ def serve(
     else:
         frontend, backend = tcp_endpoint(), tcp_endpoint()
     cmd = [sys.executable, "-m", "kvmux.cli", "serve", "--frontend", frontend, "--backend", backend]
-    cmd += ["--workers", str(workers), "--slabs", str(slabs)] + (["--model", model] if model else []) + list(serve_args)
+    cmd += ["--workers", str(workers), "--slabs", str(slabs), "--state-dir", str(tmp / "state")]
+    cmd += (["--model", model] if model else []) + list(serve_args)
     log_path = tmp / "serve.log"  # its tail goes into the error if the daemon fails to start
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,10 +1,15 @@
-"""Admission: where a new session goes, or exactly why it does not.
+"""Admission: which slab a new session (or a hibernated one called again)
+gets, or exactly why it gets none.
 
-Policies (per daemon, with a per-session override the daemon may allow):
-`reject` answers `overloaded` at once when no slab is free; `queue` holds the
-open in a FIFO bounded in depth and in wait, admitting it the moment a slab
-frees. A per-client quota caps live sessions per client identity, and the
-idle timeout picks sessions to close. Nothing here touches a socket."""
+Slabs are a cache of sessions: when none is free but some live session is
+idle, that one is hibernated (the broker's job) and the request waits for
+its slab, whatever the policy. Only when every slab is busy with running
+work does the policy decide (per daemon, with a per-session override the
+daemon may allow): `reject` answers `overloaded` at once; `queue` holds the
+request in a FIFO bounded in depth and in wait. While the daemon's own
+workers are still starting, requests wait for them. A per-client quota and
+`max_sessions` bound the sessions (live and hibernated), and the idle
+timeout picks sessions to close. Nothing here touches a socket."""
 
 from __future__ import annotations
 
@@ -21,13 +26,22 @@ _WAIT_SAMPLES = 4096  # queue waits kept for the p50/p99 in stats
 
 
 @dataclass(eq=False)
-class PendingOpen:
+class Pending:
+    """An OPEN, or a call on a hibernated session, waiting for a slab."""
+
     route: bytes
     request_id: int
-    body: bytes  # the OpenSession body, forwarded untouched once admitted
+    body: bytes  # forwarded untouched once admitted
     owner: str
     enqueued: float
     deadline: float
+    session_id: str = ""  # a hibernated session's ("" for an OPEN)
+    env_raw: bytes = b""  # its request's envelope, forwarded untouched
+    store: str | None = None  # the store its record is in: only workers reading it may restore it
+
+    @property
+    def is_open(self) -> bool:
+        return not self.session_id
 
 
 @dataclass(frozen=True)
@@ -40,7 +54,7 @@ class Refusal:
 class Admission:
     def __init__(self, cfg: BrokerConfig) -> None:
         self.cfg = cfg
-        self.queue: deque[PendingOpen] = deque()
+        self.queue: deque[Pending] = deque()
         self.waits: deque[float] = deque(maxlen=_WAIT_SAMPLES)
         self.admitted = 0
         self.refused: Counter[OverloadReason] = Counter()  # every `overloaded` answer, by reason
@@ -67,27 +81,51 @@ class Admission:
         return admission, wait
 
     def decide(
-        self, registry: Registry, pending: PendingOpen, request: OpenSession, now: float
-    ) -> Worker | PendingOpen | Refusal:
-        """Admit on a worker, queue (returns `pending`, now queued) or refuse."""
-        admission, wait = self.policy(request)
-        quota = self.cfg.client_quota
-        if quota and registry.live_sessions_of(pending.owner) + self.queued_for(pending.owner) >= quota:
-            return self.refuse(
-                OverloadReason.QUOTA, f"client {pending.owner!r} already holds its quota of {quota} sessions"
-            )
-        worker = registry.place()
+        self,
+        registry: Registry,
+        pending: Pending,
+        request: OpenSession | None,
+        now: float,
+        *,
+        workers_starting: bool = False,
+    ) -> Worker | Pending | Refusal:
+        """Admit on a worker, queue (returns `pending`, now queued) or refuse.
+        `request` is the OPEN's body (None for a hibernated session's call);
+        `workers_starting`: the daemon's own workers are not all up yet."""
+        if request is not None:
+            admission, wait = self.policy(request)
+            refusal = self._bounds(registry, pending.owner)
+            if refusal is not None:
+                return refusal
+        else:
+            admission, wait = self.cfg.admission, self.cfg.queue_wait_s
+        worker = registry.place(pending.store)
         if worker is not None and not self.queue:  # never jump the queue
             return worker
+        if not registry.workers and workers_starting:
+            wait, admission = self.cfg.worker_wait_s, "queue"
+        elif registry.idle_live(pending.store) or any(s.hibernating for s in registry.sessions.values()):
+            admission = "queue"  # a slab frees as soon as an idle session is hibernated
         if admission == "reject":
             if not registry.workers:
                 return self.refuse(OverloadReason.NO_WORKER, "no worker is registered")
-            return self.refuse(OverloadReason.NO_SLAB, f"all {registry.slabs_total()} slabs are taken")
+            return self.refuse(OverloadReason.NO_SLAB, f"all {registry.slabs_total()} slabs are busy running requests")
         if len(self.queue) >= self.cfg.queue_depth:
             return self.refuse(OverloadReason.QUEUE_FULL, f"the admission queue is full ({len(self.queue)} waiting)")
         pending.enqueued, pending.deadline = now, now + wait
         self.queue.append(pending)
         return pending
+
+    def _bounds(self, registry: Registry, owner: str) -> Refusal | None:
+        quota = self.cfg.client_quota
+        if quota and registry.live_sessions_of(owner) + self.queued_for(owner) >= quota:
+            return self.refuse(OverloadReason.QUOTA, f"client {owner!r} already holds its quota of {quota} sessions")
+        total = len(registry.sessions) + sum(1 for r in registry.requests.values() if r.op == "open")
+        if total + sum(1 for p in self.queue if p.is_open) >= self.cfg.max_sessions:
+            return self.refuse(
+                OverloadReason.QUOTA, f"the daemon holds its maximum of {self.cfg.max_sessions} sessions"
+            )
+        return None
 
     def refuse(self, reason: OverloadReason, message: str) -> Refusal:
         """The one way to say `overloaded`: counted by reason for stats."""
@@ -100,20 +138,20 @@ class Admission:
         return sum(self.refused.values())
 
     def queued_for(self, owner: str) -> int:
-        return sum(1 for p in self.queue if p.owner == owner)
+        return sum(1 for p in self.queue if p.owner == owner and p.is_open)
 
-    def next_admitted(self, registry: Registry, now: float) -> tuple[PendingOpen, Worker] | None:
+    def next_admitted(self, registry: Registry, now: float) -> tuple[Pending, Worker] | None:
         """Pop the queue's head if a slab is free for it."""
         if not self.queue:
             return None
-        worker = registry.place()
+        worker = registry.place(self.queue[0].store)
         if worker is None:
             return None
         pending = self.queue.popleft()
         self.waits.append(now - pending.enqueued)
         return pending, worker
 
-    def timed_out(self, now: float) -> list[PendingOpen]:
+    def timed_out(self, now: float) -> list[Pending]:
         """Remove and return the opens that waited their longest (the caller
         refuses each)."""
         out = [p for p in self.queue if p.deadline <= now]
@@ -124,27 +162,29 @@ class Admission:
     def is_queued(self, route: bytes, request_id: int) -> bool:
         return any(p.route == route and p.request_id == request_id for p in self.queue)
 
-    def remove(self, route: bytes, request_id: int | None = None) -> list[PendingOpen]:
+    def remove(self, route: bytes, request_id: int | None = None) -> list[Pending]:
         """Take a client's queued opens out (one by request id, or all)."""
         out = [p for p in self.queue if p.route == route and request_id in (None, p.request_id)]
         if out:
             self.queue = deque(p for p in self.queue if p not in out)
         return out
 
-    def flush(self) -> list[PendingOpen]:
+    def flush(self) -> list[Pending]:
         """Empty the queue (drain; the caller refuses each open)."""
         out, self.queue = list(self.queue), deque()
         return out
 
     def idle(self, registry: Registry, now: float) -> list[Session]:
-        """Sessions idle past the timeout, nothing running on them."""
-        limit = self.cfg.idle_timeout_s
-        if not limit:
+        """Sessions to close: idle past the idle timeout (when set) or past
+        the session TTL, nothing running on them."""
+        limits = [t for t in (self.cfg.idle_timeout_s, self.cfg.session_ttl_s) if t]
+        if not limits:
             return []
+        limit = min(limits)
         return [
             s
             for s in registry.sessions.values()
-            if s.ending is None and s.in_flight == 0 and now - s.last_active > limit
+            if s.ending is None and s.in_flight == 0 and not s.hibernating and now - s.last_active > limit
         ]
 
     def wait_percentiles(self) -> tuple[float, float]:

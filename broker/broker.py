@@ -2,10 +2,12 @@
 
 Clients (DEALER) talk to the frontend, workers (DEALER) to the backend.
 Requests for a session go to the worker holding its slab; replies go back
-to the client route they came from. Both ROUTERs are ROUTER_MANDATORY, so a
-frame to a vanished peer raises instead of vanishing: a gone worker fails its
-requests with `worker_lost`, a gone client has its generations cancelled and
-its sessions closed by requests the broker makes itself (route b"").
+to the client route they came from. Sessions outlive every process: an idle
+one is hibernated to the session store when its slab is needed (or after
+`hibernate_after_s`), and restored on whichever worker sharing the store
+gets it next; a lost worker's sessions hibernate; a vanished client's
+generations are cancelled and its sessions stay resumable. Both ROUTERs are
+ROUTER_MANDATORY, so a frame to a vanished peer raises instead of vanishing.
 Sends never block (broker/outbox.py). Every client op has its handler in
 `_handlers`; every `overloaded` answer goes through `Admission.refuse` and is
 counted by reason."""
@@ -15,6 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -30,14 +33,18 @@ from kvmux.protocol import (
     BrokerStats,
     Cancel,
     Close,
+    Closed,
     Disconnect,
     Envelope,
     ErrorCode,
+    Hibernate,
     Op,
     OverloadReason,
     Pong,
     ProtocolError,
     Refused,
+    SessionList,
+    SessionSummary,
     WorkerStats,
     decode_body,
     decode_envelope,
@@ -46,9 +53,10 @@ from kvmux.protocol import (
     envelope,
     error_body,
 )
+from kvmux.store import RecordHead, Store, StoreError, store_id
 
-from . import endpoints
-from .admission import Admission, PendingOpen, Refusal
+from . import endpoints, stored
+from .admission import Admission, Pending, Refusal, percentiles
 from .config import BrokerConfig
 from .outbox import Outbox, Sent
 from .registry import Registry, Request, Session, Worker
@@ -60,6 +68,8 @@ _POLL_MS = 50
 _POLL_BACKLOG_MS = 5  # while some client's backlog waits to be flushed
 _EMPTY_MAP = encode({})
 _STREAMING = (Op.APPEND, Op.GENERATE)
+_RESTORE_SAMPLES = 4096  # restore times kept for the p50/p99 in stats
+_STORE_BYTES_EVERY_S = 10.0  # summing the store's file sizes is not free
 
 
 @dataclass(frozen=True)
@@ -79,14 +89,15 @@ Handler = Callable[["Broker", ClientFrame], None]
 @dataclass
 class _Drain:
     grace_until: float
-    close_until: float | None = None  # closes sent; their replies awaited until then
+    cancel_until: float | None = None  # cancels sent; the streams' ends awaited until then
     force: bool = False
 
 
 class Broker:
-    def __init__(self, cfg: BrokerConfig, on_tick: Callable[[], None] | None = None) -> None:
+    def __init__(self, cfg: BrokerConfig, on_tick: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
-        self.on_tick = on_tick  # e.g. watching local worker processes
+        self.on_tick = on_tick  # watching local worker processes: False = give up
+        self.exit_code = 0
         self.ctx = zmq.Context.instance()
         self.frontend = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
         self.backend = self._router(cfg.backend_hwm)
@@ -103,6 +114,24 @@ class Broker:
         self._own_ids = itertools.count(1)
         self._next_heartbeat = 0.0
         self.frontend_endpoint = self.backend_endpoint = ""
+        self.store = Store(cfg.state_dir)
+        self.store_id = store_id(cfg.state_dir)
+        self.hibernations = self.restores = 0
+        self.restore_times: deque[float] = deque(maxlen=_RESTORE_SAMPLES)
+        self._store_bytes = (0, -_STORE_BYTES_EVERY_S)  # (bytes, when summed)
+        self._load_store(time.monotonic())
+
+    def _load_store(self, now: float) -> None:
+        """Every session the store holds, hibernated until a worker holds it."""
+        heads, corrupt = stored.scan(self.store)
+        for head in heads:
+            last = stored.idle_since(head.updated, now)
+            session = self.registry.add_session(head.session_id, None, b"", head.owner, last, stored.opened_from(head))
+            session.opened_at = head.created
+        for session_id, why in corrupt.items():
+            self.registry.drop_session(session_id, ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: {why}")
+            log.warning("session_corrupt", session=session_id, why=why)
+        log.info("store_loaded", path=str(self.store.root), sessions=len(heads), corrupt=len(corrupt))
 
     def _router(self, hwm: int, max_msg: int = -1) -> zmq.Socket:
         # Options before bind: set later they do not apply to accepted peers.
@@ -158,7 +187,7 @@ class Broker:
             if self._tick(time.monotonic()):
                 break
         self.outbox.flush()
-        return 0
+        return self.exit_code
 
     def _read(self, sock: zmq.Socket, handle: Callable[[list[bytes], float], None]) -> None:
         for _ in range(_BATCH):
@@ -172,8 +201,8 @@ class Broker:
                 log.exception("frame_handling_failed", parts=len(frames))
 
     def _tick(self, now: float) -> bool:
-        """Timers: heartbeats, liveness, queue deadlines, idle sessions,
-        admission from the queue, drain. True when the broker is done."""
+        """Timers: heartbeats, liveness, queue deadlines, expiry, admission
+        from the queue, hibernation, drain. True when the broker is done."""
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.cfg.heartbeat_s
             for worker in list(self.registry.workers.values()):
@@ -183,17 +212,23 @@ class Broker:
             if now - worker.last_seen > deadline:
                 self._lose_worker(worker, f"silent for {now - worker.last_seen:.1f}s")
         for pending in self.admission.timed_out(now):
-            waited = f"no slab freed within {pending.deadline - pending.enqueued:g}s"
-            self._refuse(pending.route, pending.request_id, OverloadReason.QUEUE_TIMEOUT, waited)
+            if self.registry.workers:
+                why = f"no slab freed within {pending.deadline - pending.enqueued:g}s"
+                self._refuse(pending.route, pending.request_id, OverloadReason.QUEUE_TIMEOUT, why, pending.session_id)
+            else:
+                why = f"no worker registered within {pending.deadline - pending.enqueued:g}s"
+                self._refuse(pending.route, pending.request_id, OverloadReason.NO_WORKER, why, pending.session_id)
         for session in self.admission.idle(self.registry, now):
             self.admission.expired += 1
             log.info("session_expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
             self._end_session(session, ErrorCode.SESSION_EXPIRED)
         while (admitted := self.admission.next_admitted(self.registry, now)) is not None:
-            self._forward_open(*admitted)
+            self._admit(*admitted)
+        self._hibernate(now)
         self.outbox.flush()
-        if self.on_tick is not None:
-            self.on_tick()
+        if self.on_tick is not None and not self.on_tick():
+            self.exit_code = 1  # the local workers keep crashing: let the service manager see it
+            return True
         return self.drain is not None and self._drain_step(now)
 
     # ------------------------------------------------------------- clients
@@ -229,24 +264,40 @@ class Broker:
         if self.drain is not None:
             return self._refuse(route, request_id, OverloadReason.DRAINING, "the broker is draining")
         owner = request.client_name or route.hex()
-        pending = PendingOpen(route, request_id, frame.body, owner, frame.now, frame.now)
-        decision = self.admission.decide(self.registry, pending, request, frame.now)
-        if isinstance(decision, Refusal):
-            self._send_refusal(route, request_id, decision)
-        elif isinstance(decision, Worker):
-            self._forward_open(pending, decision)
-        else:
-            log.debug("open_queued", request_id=request_id, depth=len(self.admission.queue))
+        self._place(Pending(route, request_id, frame.body, owner, frame.now, frame.now), request, frame.now)
 
-    def _forward_open(self, pending: PendingOpen, worker: Worker) -> None:
-        session_id = uuid.uuid4().hex
-        self.admission.admitted += 1
-        self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
-        self._to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)
+    def _place(self, pending: Pending, request, now: float) -> None:
+        """An OPEN, or a call on a hibernated session: onto a worker's free
+        slab now, into the queue (a slab frees soon), or refused."""
+        starting = self.cfg.workers > 0  # the daemon's own workers will register
+        decision = self.admission.decide(self.registry, pending, request, now, workers_starting=starting)
+        if isinstance(decision, Refusal):
+            self._send_refusal(pending.route, pending.request_id, decision, pending.session_id)
+        elif isinstance(decision, Worker):
+            self._admit(pending, decision)
+        else:
+            log.debug("queued", request_id=pending.request_id, depth=len(self.admission.queue))
+
+    def _admit(self, pending: Pending, worker: Worker) -> None:
+        if pending.is_open:
+            session_id = uuid.uuid4().hex
+            self.admission.admitted += 1
+            self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
+            self._to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)
+            return
+        session = self.registry.sessions.get(pending.session_id)
+        if session is None or session.ending is not None:
+            why = f"session {pending.session_id} was closed while it waited for a slab"
+            return self._error(pending.route, pending.request_id, pending.session_id, ErrorCode.SESSION_NOT_FOUND, why)
+        if session.worker is None:
+            self.registry.place_session(session, worker)
+        env = decode_envelope(pending.env_raw)
+        self.registry.track(pending.route, pending.request_id, env.op, session.worker, session.session_id)
+        self._to_worker(session.worker, pending.route, pending.env_raw, pending.body)
 
     def _forward(self, frame: ClientFrame) -> None:
         """APPEND, GENERATE, INFO, CLOSE, CREDIT: to the worker holding the
-        session's slab, untouched."""
+        session's slab, untouched; for a hibernated session see _dormant."""
         env = frame.env
         session = self._session(env.session_id)
         if self.drain is not None and env.op in _STREAMING:
@@ -254,10 +305,89 @@ class Broker:
                 frame.route, env.request_id, OverloadReason.DRAINING, "the broker is draining", env.session_id
             )
         session.last_active = frame.now
+        session.route = frame.route
+        if session.hibernating:  # it is on its way to the store: this waits for the answer
+            session.held.append(frame)
+            return
+        if session.worker is None:
+            return self._dormant(frame, session)
         if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
             self._check_unique(frame.route, env.request_id)
             self.registry.track(frame.route, env.request_id, env.op, session.worker, session.session_id)
         self._to_worker(session.worker, frame.route, frame.env_raw, frame.body)
+
+    def _dormant(self, frame: ClientFrame, session: Session) -> None:
+        """A call on a hibernated session: INFO and CLOSE are answered from
+        the store; APPEND and GENERATE wait for a slab to restore it in."""
+        env, route = frame.env, frame.route
+        if env.op == Op.INFO:
+            token_ids = decode_body(Op.INFO, frame.body).token_ids
+            try:
+                record = self.store.load(session.session_id)
+            except StoreError as exc:
+                raise ProtocolError(
+                    ErrorCode.SESSION_CORRUPT, f"session {session.session_id} is corrupt: {exc}"
+                ) from None
+            idle = frame.now - session.last_active
+            return self._reply(route, env, stored.info(record, self._slab_bytes(record), idle, token_ids))
+        if env.op == Op.CLOSE:
+            decode_body(Op.CLOSE, frame.body)
+            self.store.delete(session.session_id)
+            self.registry.drop_session(
+                session.session_id, ErrorCode.SESSION_NOT_FOUND, f"session {session.session_id} was closed"
+            )
+            log.info("session_closed", session=session.session_id, state="hibernated")
+            return self._reply(route, env, Closed(session_id=session.session_id))
+        if env.op == Op.CANCEL:
+            return self._reply(route, env, Ack())  # nothing runs on it
+        if env.op == Op.CREDIT:
+            return
+        self._check_unique(route, env.request_id)
+        pending = Pending(route, env.request_id, frame.body, session.owner, frame.now, frame.now)
+        pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, self.store_id
+        self._place(pending, None, frame.now)
+
+    def _slab_bytes(self, record) -> int:
+        """slab_bytes of a hibernated session: as a worker with its model reports it."""
+        for worker in self.registry.workers.values():
+            if worker.ready.model == record.model and worker.ready.sink + worker.ready.max_window:
+                per_token = worker.ready.slab_bytes // (worker.ready.sink + worker.ready.max_window)
+                return per_token * (record.sink + record.window)
+        return 0
+
+    def _stored_tokens(self, session_id: str) -> int:
+        try:
+            return self.store.head(session_id).tokens
+        except StoreError:
+            return 0
+
+    def _resume(self, frame: ClientFrame) -> None:
+        decode_body(Op.RESUME, frame.body)
+        session = self._session(frame.env.session_id)
+        opened = session.opened
+        if session.worker is not None:
+            opened = msgspec.structs.replace(opened, worker_id=session.worker.worker_id)
+        else:
+            opened = msgspec.structs.replace(opened, worker_id="")
+        self._reply(frame.route, frame.env, opened)
+
+    def _list_sessions(self, frame: ClientFrame) -> None:
+        decode_body(Op.SESSIONS, frame.body)
+        rows = [
+            SessionSummary(
+                session_id=s.session_id,
+                state=s.state,
+                owner=s.owner,
+                worker_id=s.worker.worker_id if s.worker is not None else "",
+                history_tokens=self._stored_tokens(s.session_id),
+                idle_s=round(frame.now - s.last_active, 3),
+                bytes_on_disk=self.store.bytes_on_disk(s.session_id),
+                created=s.opened_at,
+            )
+            for s in self.registry.sessions.values()
+            if s.ending is None
+        ]
+        self._reply(frame.route, frame.env, SessionList(sessions=rows))
 
     def _cancel(self, frame: ClientFrame) -> None:
         """CANCEL naming a queued or opening OPEN is the broker's; any other
@@ -306,6 +436,8 @@ class Broker:
         Op.STATS: _stats,
         Op.PING: _ping,
         Op.DRAIN: _drain_op,
+        Op.RESUME: _resume,
+        Op.SESSIONS: _list_sessions,
     }
 
     def _session(self, session_id: str) -> Session:
@@ -353,6 +485,17 @@ class Broker:
             worker.running, worker.draining = beat.running, beat.draining
         elif env.op == Op.DISCONNECT:
             self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
+        elif env.op == Op.RESTORED:
+            restored = decode_body(Op.RESTORED, body)
+            self.restores += 1
+            self.restore_times.append(restored.seconds)
+            log.info(
+                "session_restored",
+                session=restored.session_id,
+                worker=worker.worker_id,
+                seconds=round(restored.seconds, 4),
+                replayed_tokens=restored.replayed_tokens,
+            )
         elif env.op in REPLY_OPS:
             self._on_reply(worker, route, env, env_raw, body, now)
         else:
@@ -360,12 +503,14 @@ class Broker:
 
     def _on_ready(self, identity: bytes, known: Worker | None, body: bytes, now: float) -> None:
         ready = decode_body(Op.READY, body)
-        if known is not None:  # it restarted: whatever it held is gone
+        if known is not None:  # it registers anew: what it still holds, its READY says
             self._lose_worker(known, "re-registered")
         if ready.version != PROTOCOL_VERSION:
             log.error("worker_version_mismatch", worker=identity.hex(), version=ready.version)
             return
         worker = self.registry.add_worker(identity, ready, now)
+        for session_id in ready.sessions:
+            self._adopt(worker, session_id, now)
         log.info(
             "worker_ready",
             worker=worker.worker_id,
@@ -375,6 +520,28 @@ class Broker:
             host=ready.host,
             pid=ready.pid,
         )
+
+    def _adopt(self, worker: Worker, session_id: str, now: float) -> None:
+        """A session the worker kept (across our restart, or its
+        re-registering): live there, unless another worker holds it already."""
+        session = self.registry.sessions.get(session_id)
+        if session is not None and session.worker is not None and session.worker is not worker:
+            log.warning("session_claimed_twice", session=session_id, holder=session.worker.worker_id)
+            worker.foreign += 1  # until the close below frees it
+            return self._own_request(worker, Op.CLOSE, session_id, Close(keep=True))
+        worker.foreign = max(0, worker.foreign - 1)  # READY counted it as taken
+        if session is None:
+            owner = ""
+            try:
+                head = self.store.head(session_id)
+                owner, opened, created = head.owner, stored.opened_from(head), head.created
+            except StoreError:
+                opened, created = stored.opened_from(_unknown_head(session_id, worker)), time.time()
+            session = self.registry.add_session(session_id, worker, b"", owner, now, opened)
+            session.opened_at = created
+        else:
+            session.worker = worker
+            worker.sessions.add(session_id)
 
     def _on_reply(self, worker: Worker, route: bytes, env: Envelope, env_raw: bytes, body: bytes, now: float) -> None:
         req = self.registry.requests.get((route, env.request_id))
@@ -390,10 +557,14 @@ class Broker:
         session = self.registry.sessions.get(req.session_id)
         if session is not None:
             session.last_active = now
+        if session is not None and session.restoring:
+            self._restored(session, env.op, body)
         if req.op == Op.OPEN and final:
             env_raw, body = self._opened(req, env.op == Op.FINAL, env_raw, body, now)
         elif req.op == Op.CLOSE and final:
             self._closed(req, env.op, body)
+        elif req.op == Op.HIBERNATE and final:
+            self._hibernated(req, env.op, body, now)
         if route and not req.orphaned:
             if req.overrun:
                 if not final:
@@ -408,10 +579,47 @@ class Broker:
             worker.frames_forwarded += 1
             self.frames_forwarded += 1
 
+    def _restored(self, session: Session, op: str, body: bytes) -> None:
+        """The first answer about a session placed for a restore: it is live,
+        or its record failed it (then it is gone, with the worker's reason)."""
+        session.restoring = False
+        if op != Op.ERROR:
+            return
+        error = decode_reply(body)
+        if error.code in (ErrorCode.SESSION_CORRUPT, ErrorCode.SESSION_NOT_FOUND):
+            log.warning("restore_failed", session=session.session_id, code=error.code.value, why=error.message)
+            self.registry.drop_session(session.session_id, error.code, error.message)
+
+    def _hibernated(self, req: Request, op: str, body: bytes, now: float) -> None:
+        session = self.registry.sessions.get(req.session_id)
+        if session is None:
+            return
+        session.hibernating = False
+        if op == Op.FINAL:
+            reply = decode_reply(body)
+            self.registry.hibernated(session)
+            self.hibernations += 1
+            log.info(
+                "session_hibernated", session=session.session_id, bytes=reply.bytes, seconds=round(reply.seconds, 4)
+            )
+        else:
+            log.info("hibernate_refused", session=session.session_id, why=decode_reply(body).message)
+        held, session.held = session.held, []
+        for frame in held:  # calls that came meanwhile, now served as they would have been
+            self._on_held(frame, now)
+
+    def _on_held(self, frame: ClientFrame, now: float) -> None:
+        try:
+            self._forward(frame)
+        except ProtocolError as exc:
+            self._error(frame.route, frame.env.request_id, frame.env.session_id, exc.code, exc.message)
+
     def _opened(self, req: Request, ok: bool, env_raw: bytes, body: bytes, now: float) -> tuple[bytes, bytes]:
         if not ok:
             return env_raw, body
-        session = self.registry.add_session(req.session_id, req.worker, req.route, req.owner, now)
+        opened = decode_reply(body)
+        session = self.registry.add_session(req.session_id, req.worker, req.route, req.owner, now, opened)
+        session.opened_at = time.time()
         if req.orphaned:
             self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
         elif req.cancel_on_open:
@@ -430,7 +638,7 @@ class Broker:
             return
         ending = session.ending
         why = (
-            "closed by the broker: idle timeout"
+            "closed by the broker: idle timeout or session TTL"
             if ending is ErrorCode.SESSION_EXPIRED
             else f"session {req.session_id} was closed"
         )
@@ -440,7 +648,7 @@ class Broker:
         if self.registry.workers.get(worker.identity) is not worker:
             return
         sessions = len(worker.sessions)
-        lost = self.registry.remove_worker(worker, why)
+        lost = self.registry.remove_worker(worker, why, stored=worker.ready.store == self.store_id)
         log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
         for req in lost:
             if req.route and not req.orphaned:
@@ -460,29 +668,50 @@ class Broker:
         self._to_worker(worker, b"", envelope(op, request_id, session_id), encode(body))
 
     def _end_session(self, session: Session, why: ErrorCode) -> None:
-        """Close a session on the broker's own account. The worker cancels
-        what runs on it first, then frees the slab."""
+        """Close a session on the broker's own account (its record goes too).
+        A live one's worker cancels what runs on it first, then frees the slab."""
         if session.ending is None:
             session.ending = why
-        if not session.closing:
+        if session.worker is None:
+            self.store.delete(session.session_id)
+            self.registry.drop_session(session.session_id, why, f"session {session.session_id} ended ({why.value})")
+        elif not session.closing:
             session.closing = True
             self._own_request(session.worker, Op.CLOSE, session.session_id, Close())
 
+    def _hibernate(self, now: float) -> None:
+        """Free slabs for what waits in the queue, and hibernate sessions
+        idle past `hibernate_after_s`: least recently used first."""
+        sessions = self.registry.sessions.values()
+        in_flight = sum(1 for s in sessions if s.hibernating)
+        wanted = [p for p in self.admission.queue if self.registry.place(p.store) is None]
+        if len(wanted) > in_flight and self.registry.workers:
+            for session in self.registry.idle_live(wanted[0].store)[: len(wanted) - in_flight]:
+                self._send_hibernate(session)
+        limit = self.cfg.hibernate_after_s
+        if limit and self.drain is None:
+            for session in self.registry.idle_live():
+                if now - session.last_active < limit:
+                    break  # least recently used first: the rest are fresher
+                self._send_hibernate(session)
+
+    def _send_hibernate(self, session: Session) -> None:
+        session.hibernating = True
+        self._own_request(session.worker, Op.HIBERNATE, session.session_id, Hibernate())
+
     def _client_gone(self, route: bytes) -> None:
-        """ROUTER_MANDATORY said the client vanished: close the sessions it
-        opened (the worker cancels their running generations first), cancel
-        its generations on sessions it did not open, drop its queued opens
-        and backlog."""
+        """ROUTER_MANDATORY said the client vanished: cancel its running
+        generations and drop its queued requests and backlog. Its sessions
+        stay, resumable by id (an idle one pins no slab: it hibernates when
+        the slab is needed)."""
         dropped = self.admission.remove(route)
-        sessions = [s for s in self.registry.sessions.values() if s.route == route]
-        for session in sessions:
-            self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
+        cancelled = 0
         for req in [r for r in self.registry.requests.values() if r.route == route and not r.orphaned]:
             req.orphaned = True
-            session = self.registry.sessions.get(req.session_id)
-            if req.op in _STREAMING and session is not None and session.route != route:
-                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel())
-        log.info("client_gone", client=route.hex(), sessions=len(sessions), queued=len(dropped))
+            if req.op in _STREAMING and req.session_id in self.registry.sessions:
+                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel(request_id=req.request_id))
+                cancelled += 1
+        log.info("client_gone", client=route.hex(), cancelled=cancelled, queued=len(dropped))
 
     # --------------------------------------------------------------- sends
 
@@ -559,22 +788,23 @@ class Broker:
             self._refuse(pending.route, pending.request_id, OverloadReason.DRAINING, "the broker is draining")
 
     def _drain_step(self, now: float) -> bool:
-        """Let running generations finish within the grace period, then close
-        every session (the workers cancel what still runs); True when done."""
+        """Let running generations finish within the grace period, then
+        cancel what still runs; True when done. Sessions are not closed:
+        their records stay in the store for the next daemon."""
         drain = self.drain
         if drain.force:
             return True
-        running = any(r.route and r.op in _STREAMING for r in self.registry.requests.values())
+        running = [r for r in self.registry.requests.values() if r.route and r.op in _STREAMING]
         if running and now < drain.grace_until:
             return False
-        if drain.close_until is None:
+        if drain.cancel_until is None:
             # Time for cancelled generations to reach a token boundary and
-            # for the closes to come back.
-            drain.close_until = now + max(5.0, 5 * self.cfg.heartbeat_s)
-            log.info("closing_sessions", sessions=len(self.registry.sessions), running=running)
-            for session in list(self.registry.sessions.values()):
-                self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
-        if self.registry.sessions and now < drain.close_until:
+            # for their ends to come back.
+            drain.cancel_until = now + max(5.0, 5 * self.cfg.heartbeat_s)
+            log.info("cancelling", running=len(running), sessions=len(self.registry.sessions))
+            for req in running:
+                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel(request_id=req.request_id))
+        if any(r.route for r in self.registry.requests.values()) and now < drain.cancel_until:
             return False
         # Whatever is still unanswered ends here, so no client waits on a
         # broker that is gone.
@@ -620,6 +850,8 @@ class Broker:
             for w in reg.workers.values()
         ]
         total = reg.slabs_total()
+        live = sum(1 for s in reg.sessions.values() if s.worker is not None)
+        restore_p50, restore_p99 = percentiles(self.restore_times)
         return BrokerStats(
             version=PROTOCOL_VERSION,
             uptime_s=round(now - self.started, 3),
@@ -637,7 +869,34 @@ class Broker:
             queue_wait_p99_s=p99,
             draining=self.drain is not None,
             refused=[Refused(reason=r.value, count=n) for r, n in sorted(self.admission.refused.items())],
+            sessions_live=live,
+            sessions_hibernated=len(reg.sessions) - live,
+            hibernations=self.hibernations,
+            restores=self.restores,
+            restore_p50_s=restore_p50,
+            restore_p99_s=restore_p99,
+            store_bytes=self._store_size(now),
         )
+
+    def _store_size(self, now: float) -> int:
+        size, when = self._store_bytes
+        if now - when >= _STORE_BYTES_EVERY_S:
+            size = sum(self.store.bytes_on_disk(session_id) for session_id in self.registry.sessions)
+            self._store_bytes = (size, now)
+        return size
+
+
+def _unknown_head(session_id: str, worker: Worker) -> RecordHead:
+    """What a worker's session is known as when no record of it is readable here."""
+    return RecordHead(
+        session_id=session_id,
+        model=worker.ready.model,
+        owner="",
+        created=0.0,
+        updated=0.0,
+        sink=worker.ready.sink,
+        window=worker.ready.max_window,
+    )
 
 
 def _salvage_ids(raw: bytes) -> tuple[int, str]:

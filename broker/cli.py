@@ -37,6 +37,19 @@ def serve(
         None, help="Live sessions per client identity, 0 = unlimited (default: 0)."
     ),
     idle_timeout_s: float | None = typer.Option(None, help="Close sessions idle this long, 0 = never (default: 0)."),
+    state_dir: str | None = typer.Option(
+        None, help="Session store's dir (default: $XDG_STATE_HOME/kvmux or ~/.local/state/kvmux)."
+    ),
+    hibernate_after_s: float | None = typer.Option(
+        None, help="Hibernate sessions idle this long to the store, 0 = only when a slab is needed (default: 300)."
+    ),
+    max_sessions: int | None = typer.Option(None, help="Sessions kept, live and hibernated (default: 10000)."),
+    session_ttl_s: float | None = typer.Option(
+        None, help="Delete sessions idle this long, 0 = never (default: 604800, 7 days)."
+    ),
+    worker_wait_s: float | None = typer.Option(
+        None, help="While local workers start, how long opens wait for one (default: 60)."
+    ),
     drain_grace_s: float | None = typer.Option(
         None, help="On SIGTERM/drain, how long running generations may finish (default: 10)."
     ),
@@ -64,6 +77,11 @@ def serve(
             queue_wait_s=queue_wait_s,
             client_quota=client_quota,
             idle_timeout_s=idle_timeout_s,
+            state_dir=state_dir,
+            hibernate_after_s=hibernate_after_s,
+            max_sessions=max_sessions,
+            session_ttl_s=session_ttl_s,
+            worker_wait_s=worker_wait_s,
             drain_grace_s=drain_grace_s,
             heartbeat_s=heartbeat_s,
             max_frame_bytes=max_frame_bytes,

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import msgspec
 
+from kvmux.paths import state_dir
 from kvmux.protocol import DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -32,6 +33,12 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     queue_wait_s: Positive = 30.0  # longest an open waits for a slab
     client_quota: Count = 0  # live sessions per client identity; 0 = no quota
     idle_timeout_s: NonNegative = 0.0  # close sessions idle this long; 0 = never
+    # durable sessions (docs/operations.md, "Session store")
+    state_dir: str = ""  # "" = kvmux.paths.state_dir()
+    hibernate_after_s: NonNegative = 300.0  # write idle sessions to the store, freeing their slab; 0 = only when needed
+    max_sessions: Annotated[int, msgspec.Meta(ge=1)] = 10_000  # live + hibernated
+    session_ttl_s: NonNegative = 7 * 24 * 3600.0  # delete sessions idle this long; 0 = never
+    worker_wait_s: Positive = 60.0  # while local workers start, how long opens wait for one
     allow_session_override: bool = True  # OpenSession.admission / queue_wait_s honoured
     retry_after_s: Positive = 1.0  # the hint sent with `overloaded`
     # liveness and limits
@@ -48,6 +55,8 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.admission == "queue" and self.queue_depth == 0:
             raise ValueError("admission = 'queue' needs queue_depth >= 1")
+        if not self.state_dir:
+            self.state_dir = str(state_dir())
 
 
 class ConfigError(ValueError):

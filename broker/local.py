@@ -1,8 +1,11 @@
-"""The worker processes `kvmux serve --workers N` starts next to the broker.
+"""The worker processes `kvmux serve --workers N` starts and supervises.
 
-A worker that exits is reported, never restarted behind the operator's back
-(its sessions are gone; a crash loop would hide that). On Linux each worker
-gets SIGTERM if the broker process dies, so none is left orphaned."""
+A worker that exits abnormally is restarted with backoff (1 s doubling to
+60 s); its sessions wait in the session store and come back on their next
+call. After CRASH_LIMIT crashes within CRASH_WINDOW_S the daemon gives up
+and exits non-zero, so launchd's KeepAlive (or systemd) restarts it and the
+operator sees it. On Linux each worker gets SIGTERM if the broker process
+dies, so none is left orphaned."""
 
 from __future__ import annotations
 
@@ -11,12 +14,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from kvmux import logs
 
 from .config import BrokerConfig
 
 log = logs.get("broker")
+
+BACKOFF_S = (1.0, 60.0)  # first restart delay, and the most it doubles to
+CRASH_LIMIT = 5
+CRASH_WINDOW_S = 300.0
 
 
 def _die_with_parent() -> None:
@@ -27,17 +36,28 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+@dataclass
+class _Slot:
+    """One local worker: its process, and when it may be started again."""
+
+    index: int
+    proc: subprocess.Popen | None = None
+    restart_at: float | None = None
+    backoff_s: float = BACKOFF_S[0]
+    crashes: deque[float] = field(default_factory=deque)
+
+
 class LocalWorkers:
     def __init__(self, cfg: BrokerConfig) -> None:
         self.cfg = cfg
         self.backend = ""
-        self.procs: list[subprocess.Popen] = []
-        self._reported: set[int] = set()
+        self.slots = [_Slot(i) for i in range(cfg.workers)]
+        self.stopping = False
 
     def command(self, index: int) -> list[str]:
         cfg = self.cfg
         cmd = [sys.executable, "-m", "kvmux.cli", "worker", "--connect", self.backend, "--slabs", str(cfg.slabs)]
-        cmd += ["--heartbeat-s", str(cfg.heartbeat_s), "--worker-id", f"local-{index}"]
+        cmd += ["--heartbeat-s", str(cfg.heartbeat_s), "--worker-id", f"local-{index}", "--state-dir", cfg.state_dir]
         if cfg.model:
             cmd += ["--model", cfg.model]
         return cmd + list(cfg.worker_args)
@@ -51,25 +71,49 @@ class LocalWorkers:
 
     def start(self, backend: str) -> None:
         self.backend = backend
-        for index in range(self.cfg.workers):
-            # Own process group: Ctrl-C in the terminal reaches the broker
-            # only, which then drains and stops the workers in order.
-            # preexec_fn only calls prctl: no locks a thread could hold.
-            cmd, env = self.command(index), self.env()
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
-            self.procs.append(proc)
-            log.info("local_worker_started", index=index, pid=proc.pid)
+        for slot in self.slots:
+            self._spawn(slot)
 
-    def check(self) -> None:
-        """Report (once) each worker that has exited."""
-        for index, proc in enumerate(self.procs):
-            if proc.pid not in self._reported and proc.poll() is not None:
-                self._reported.add(proc.pid)
-                log.error("local_worker_exited", index=index, pid=proc.pid, returncode=proc.returncode)
+    def _spawn(self, slot: _Slot) -> None:
+        # Own process group: Ctrl-C in the terminal reaches the broker only,
+        # which then drains and stops the workers in order. preexec_fn only
+        # calls prctl: no locks a thread could hold.
+        cmd, env = self.command(slot.index), self.env()
+        slot.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        slot.restart_at = None
+        log.info("local_worker_started", index=slot.index, pid=slot.proc.pid)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM (workers drain), then SIGKILL whatever is left at the deadline."""
-        alive = [p for p in self.procs if p.poll() is None]
+    def check(self) -> bool:
+        """Restart workers that exited, when their backoff allows; False once
+        one has crashed too often (the daemon should exit)."""
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is not None and not self.stopping:
+                code = slot.proc.returncode
+                slot.proc = None
+                if code == 0:  # it drained on its own (SIGTERM to it alone): not a crash
+                    log.warning("local_worker_stopped", index=slot.index)
+                    continue
+                slot.crashes.append(now)
+                while slot.crashes and now - slot.crashes[0] > CRASH_WINDOW_S:
+                    slot.crashes.popleft()
+                if len(slot.crashes) >= CRASH_LIMIT:
+                    crashes = len(slot.crashes)
+                    log.error("local_worker_crash_loop", index=slot.index, returncode=code, crashes=crashes)
+                    return False
+                slot.restart_at = now + slot.backoff_s
+                log.error("local_worker_exited", index=slot.index, returncode=code, restart_in_s=slot.backoff_s)
+                slot.backoff_s = min(BACKOFF_S[1], slot.backoff_s * 2)
+            if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
+                log.warning("local_worker_restart", index=slot.index, crashes=len(slot.crashes))
+                self._spawn(slot)
+        return True
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (workers drain and snapshot their sessions), then SIGKILL
+        whatever is left at the deadline."""
+        self.stopping = True
+        alive = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
         for proc in alive:
             proc.terminate()
         deadline = time.monotonic() + timeout_s
@@ -80,4 +124,3 @@ class LocalWorkers:
                 log.warning("local_worker_killed", pid=proc.pid)
                 proc.kill()
                 proc.wait()
-        self._reported.update(p.pid for p in self.procs)

@@ -1,14 +1,15 @@
-"""What the broker knows: registered workers, live sessions (session ->
-worker affinity) and requests in flight ((client route, request id) ->
-worker). Free slabs are derived from these, never counted on the side, so
-they cannot drift: free = slabs - foreign - sessions - opens in flight."""
+"""What the broker knows: registered workers, every session (live on a
+worker, i.e. in one of its slabs, or hibernated in the session store) and
+requests in flight ((client route, request id) -> worker). Free slabs are
+derived from these, never counted on the side, so they cannot drift:
+free = slabs - foreign - live sessions - opens in flight."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvmux.protocol import ErrorCode, Op, WorkerReady
+from kvmux.protocol import ErrorCode, Op, SessionOpened, WorkerReady
 
 # Ids of sessions that ended without the client closing them, kept so a late
 # call learns why (expired vs. worker lost) instead of a bare "not found".
@@ -42,13 +43,22 @@ class Worker:
 @dataclass(eq=False)
 class Session:
     session_id: str
-    worker: Worker
-    route: bytes  # the client that opened it
+    worker: Worker | None  # None while hibernated (in the store only)
+    route: bytes  # the client that last used it
     owner: str  # its identity for the per-client quota
     last_active: float
+    opened: SessionOpened  # what OPEN answered: RESUME answers it again
+    opened_at: float = 0.0  # wall-clock seconds
     in_flight: int = 0
     ending: ErrorCode | None = None  # set when the broker decided to close it (why)
     closing: bool = False  # a CLOSE is on its way to the worker
+    hibernating: bool = False  # a HIBERNATE is on its way to the worker
+    restoring: bool = False  # placed on a worker that has not answered for it yet
+    held: list = field(default_factory=list)  # client frames that came while it hibernated
+
+    @property
+    def state(self) -> str:
+        return "live" if self.worker is not None else "hibernated"
 
 
 @dataclass(eq=False)
@@ -80,25 +90,43 @@ class Registry:
         self.workers[identity] = worker
         return worker
 
-    def remove_worker(self, worker: Worker, why: str) -> list[Request]:
+    def remove_worker(self, worker: Worker, why: str, stored: bool) -> list[Request]:
         """Forget `worker`; return its requests in flight (now failed). Its
-        sessions are remembered as lost."""
+        sessions hibernate when their records are in a store we share
+        (`stored`), and are remembered as lost otherwise."""
         self.workers.pop(worker.identity, None)
         lost = [req for req in self.requests.values() if req.worker is worker]
         for req in lost:
-            del self.requests[(req.route, req.request_id)]
+            self.finish(req)
         for session_id in list(worker.sessions):
-            self.drop_session(
-                session_id,
-                ErrorCode.SESSION_NOT_FOUND,
-                f"session {session_id} was on worker {worker.worker_id}, which was lost ({why})",
-            )
+            session = self.sessions[session_id]
+            if stored:
+                self.hibernated(session)
+            else:
+                why = f"session {session_id} was on worker {worker.worker_id}, which was lost ({why})"
+                self.drop_session(session_id, ErrorCode.SESSION_NOT_FOUND, why)
         return lost
 
-    def place(self) -> Worker | None:
-        """The worker with the most free slabs that takes new sessions."""
-        candidates = [w for w in self.workers.values() if not w.draining and w.free_slabs > 0]
+    def place(self, store: str | None = None) -> Worker | None:
+        """The worker with the most free slabs that takes sessions (and
+        reads `store`, for a restore)."""
+        candidates = [
+            w for w in self.workers.values() if not w.draining and w.free_slabs > 0 and store in (None, w.ready.store)
+        ]
         return max(candidates, key=lambda w: w.free_slabs, default=None)
+
+    def idle_live(self, store: str | None = None) -> list[Session]:
+        """Live sessions with nothing running or on its way, least recently
+        used first: the ones to hibernate when a slab is needed."""
+        idle = [
+            s
+            for s in self.sessions.values()
+            if s.worker is not None
+            and s.in_flight == 0
+            and not (s.hibernating or s.restoring or s.closing or s.ending)
+            and store in (None, s.worker.ready.store)
+        ]
+        return sorted(idle, key=lambda s: s.last_active)
 
     def slabs_total(self) -> int:
         return sum(w.ready.slabs for w in self.workers.values())
@@ -108,17 +136,34 @@ class Registry:
 
     # ----------------------------------------------------------- sessions
 
-    def add_session(self, session_id: str, worker: Worker, route: bytes, owner: str, now: float) -> Session:
-        session = Session(session_id, worker, route, owner, now)
+    def add_session(
+        self, session_id: str, worker: Worker | None, route: bytes, owner: str, now: float, opened: SessionOpened
+    ) -> Session:
+        session = Session(session_id, worker, route, owner, now, opened)
         self.sessions[session_id] = session
-        worker.sessions.add(session_id)
+        if worker is not None:
+            worker.sessions.add(session_id)
         return session
+
+    def hibernated(self, session: Session) -> None:
+        """The session's slab is free; it lives in the store now."""
+        if session.worker is not None:
+            session.worker.sessions.discard(session.session_id)
+        session.worker = None
+        session.hibernating = session.restoring = False
+
+    def place_session(self, session: Session, worker: Worker) -> None:
+        """A hibernated session takes a slab on `worker`, which restores it
+        when the request that follows reaches it."""
+        session.worker = worker
+        session.restoring = True
+        worker.sessions.add(session.session_id)
 
     def drop_session(self, session_id: str, code: ErrorCode | None = None, why: str = "") -> None:
         """Forget a session (its slab is free). With `code`, a later call on it
         gets that error and `why` rather than a bare not-found."""
         session = self.sessions.pop(session_id, None)
-        if session is not None:
+        if session is not None and session.worker is not None:
             session.worker.sessions.discard(session_id)
         if code is not None:
             self.gone[session_id] = (code, why)
@@ -126,7 +171,8 @@ class Registry:
                 self.gone.popitem(last=False)
 
     def live_sessions_of(self, owner: str) -> int:
-        """Sessions and opens in flight counted against `owner`'s quota."""
+        """Sessions (live and hibernated) and opens in flight counted against
+        `owner`'s quota."""
         opening = sum(1 for r in self.requests.values() if r.op == Op.OPEN and r.owner == owner and not r.orphaned)
         return opening + sum(1 for s in self.sessions.values() if s.owner == owner and s.ending is None)
 

@@ -1,5 +1,17 @@
 """structlog set-up shared by every kvmux process: JSON lines when stderr is
-not a terminal (launchd, CI, pipes), coloured key=value when it is."""
+not a terminal (launchd, CI, pipes), coloured key=value when it is.
+
+One event style in every process: the event is a short snake_case identifier
+of what happened, the same on every call (`worker_lost`, `session_opened`,
+`turn_failed`), never prose or an f-string; whatever varies goes in key=value
+fields. Operators filter the JSON lines on `event`, so an event name is part
+of the interface:
+
+    log.warning("worker_lost", worker=worker_id, sessions=len(sessions))
+
+Loggers are named by process and module, dotted: `broker`, `worker.model`,
+`bench`.
+"""
 
 from __future__ import annotations
 

@@ -60,12 +60,22 @@ class Stack:
             self.frontend = f"tcp://127.0.0.1:{_free_tcp_port()}"
             self.backend = f"tcp://127.0.0.1:{_free_tcp_port()}"
         self.slabs = slabs
-        self.worker_args = list(worker_args)
+        self.state = self.dir / "state"  # the session store, the broker's and its workers'
+        self.worker_args = ["--state-dir", str(self.state), *worker_args]
         self.workers: list[subprocess.Popen] = []
         self.broker = self._spawn(
             "broker",
             kvmux_command(
-                "serve", "--workers", "0", "--frontend", self.frontend, "--backend", self.backend, *broker_args
+                "serve",
+                "--workers",
+                "0",
+                "--frontend",
+                self.frontend,
+                "--backend",
+                self.backend,
+                "--state-dir",
+                str(self.state),
+                *broker_args,
             ),
         )
         for _ in range(workers):

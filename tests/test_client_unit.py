@@ -70,7 +70,7 @@ def test_session_calls_are_coroutines_on_the_async_side_except_the_stream_makers
         assert inspect.iscoroutinefunction(getattr(AsyncSession, name)), name
     for name in ("chat", "generate"):
         assert not inspect.iscoroutinefunction(getattr(AsyncSession, name)), name
-    for name in ("open_session", "resume_session", "stats", "ping", "drain", "close"):
+    for name in ("open_session", "resume_session", "list_sessions", "stats", "ping", "drain", "close"):
         assert inspect.iscoroutinefunction(getattr(AsyncClient, name)), name
 
 

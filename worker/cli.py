@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from kvmux import paths
 from kvmux import protocol as p
 from kvmux.paths import default_backend
 
@@ -23,6 +24,9 @@ def worker(
     grace_s: float = typer.Option(
         30.0, min=0, help="On SIGTERM, how long running generations may finish before they are cancelled."
     ),
+    state_dir: str | None = typer.Option(
+        None, help="Session store's dir, shared with the broker. [default: $XDG_STATE_HOME/kvmux]"
+    ),
 ) -> None:
     """Run one worker: load the model, register with the broker, serve sessions."""
     from kvmux.worker.preload import ensure_preloaded
@@ -41,6 +45,7 @@ def worker(
         worker_id=worker_id,
         heartbeat_s=heartbeat_s,
         grace_s=grace_s,
+        state_dir=state_dir or str(paths.state_dir()),
     )
     raise typer.Exit(Worker(config).run())
 

@@ -5,8 +5,7 @@ Three-part messages `[route, envelope, body]` are requests (I/O -> compute)
 or replies (compute -> I/O), passed through as the broker framed them.
 Anything else is control, `[name]` or `[name, payload]`:
 
-    I/O -> compute   DROP          forget every session (a broker that lost us knows none)
-                     DRAIN         take no new sessions, finish running work
+    I/O -> compute   DRAIN         take no new sessions, finish running work
                      CANCEL_ALL    the drain's grace is over: cancel every job
     compute -> I/O   LOADED, ready the model is loaded; payload: the READY body
                      FAILED        loading or the compute loop died
@@ -19,7 +18,6 @@ import msgspec
 
 PIPE = "inproc://kvmux-compute"
 
-DROP = b"drop"
 DRAIN = b"drain"
 CANCEL_ALL = b"cancel_all"
 LOADED = b"loaded"

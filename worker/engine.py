@@ -44,6 +44,14 @@ class Session:
     raw: bool = False  # last append was raw token ids: generate continues them, no template
     logits: mx.array | None = None
     last_used: float = field(default_factory=time.monotonic)
+    # durable state (worker/durable.py)
+    owner: str = ""
+    created: float = field(default_factory=time.time)
+    snapshot: str | None = None  # slab file in the store holding history[:snapshot_tokens]
+    snapshot_tokens: int = 0
+    replay: list[int] = field(default_factory=list)  # sizes of the chunks run since the snapshot
+    restores: int = 0
+    last_restore_s: float = 0.0
 
     @property
     def dropped(self) -> int:
@@ -167,12 +175,17 @@ class Engine:
         generate."""
         while session.pending:
             chunk = session.pending[:PREFILL_CHUNK]
-            logits = self._forward(session, mx.array(chunk))
-            mx.eval(logits, [layer.state for layer in session.slab])
-            session.logits = logits
+            session.logits = self.run_chunk(session, chunk)
             session.history.extend(chunk)
+            session.replay.append(len(chunk))
             del session.pending[: len(chunk)]
             yield
+
+    def run_chunk(self, session: Session, tokens: list[int]) -> mx.array:
+        """Run tokens through the slab as one chunk; the logits after the last."""
+        logits = self._forward(session, mx.array(tokens))
+        mx.eval(logits, [layer.state for layer in session.slab])
+        return logits
 
     def decode(
         self,
@@ -209,6 +222,7 @@ class Engine:
             mx.async_eval(y_next)
             token = y.item()
             session.history.append(token)
+            session.replay.append(1)
             is_eos = token in self.eos
             if not is_eos:
                 detok.add_token(token)

@@ -17,8 +17,9 @@ import zmq
 from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
+from kvmux.store import Store
 
-from . import control
+from . import control, durable
 from .engine import Decoded, DecodeStep, Engine, Session
 from .slab import SlabPool
 
@@ -40,7 +41,8 @@ class Job:
     cancelled: bool = False
     credit: int = 0  # Generate.credit: chunks that may be unacknowledged; 0 = no flow control
     outstanding: int = 0  # chunks sent minus credits returned
-    close_after: tuple[bytes, int] | None = None  # a close that waits for this job
+    close_after: tuple[bytes, int, bool] | None = None  # a close (route, request id, keep) waiting for this job
+    saved: bool = False  # the session's record was written after this job's work
 
     @property
     def runnable(self) -> bool:
@@ -53,6 +55,7 @@ class Scheduler:
     pool: SlabPool
     worker_id: str
     pipe: zmq.Socket  # PAIR to the I/O thread
+    store: Store
     sessions: dict[str, Session] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
     draining: bool = False
@@ -128,6 +131,22 @@ class Scheduler:
         job.session.last_used = time.monotonic()
         if job.close_after:
             self.close(job.session, *job.close_after)
+        elif not job.saved:  # cancelled or failed: the record still says what the slab holds
+            self.save(job.session)
+
+    def save(self, session: Session, *, snapshot: bool = False) -> int:
+        """Write the session's durable record: after this, a crash of this
+        worker loses nothing the session has done."""
+        return durable.save(self.store, session, self.engine.loaded.model_id, snapshot_now=snapshot)
+
+    def save_all(self) -> None:
+        """On the way out (a drain): snapshot what a restart would replay."""
+        for session in self.sessions.values():
+            if session.replay:
+                try:
+                    self.save(session, snapshot=True)
+                except OSError as exc:
+                    log.error("session_save_failed", session=session.id, error=str(exc))
 
     # ------------------------------------------------------------ requests
 
@@ -151,7 +170,9 @@ class Scheduler:
                 return
             session = self.sessions.get(env.session_id)
             if session is None:
-                raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {env.session_id!r} on this worker")
+                session = self.dormant(route, env, body)
+                if session is None:
+                    return
             handler(self, route, env, body, session)
         except ProtocolError as exc:
             self.error(route, env.request_id, env.session_id, exc.code, exc.message, **exc.extra)
@@ -159,11 +180,46 @@ class Scheduler:
             log.exception("request_failed", op=env.op)
             self.error(route, env.request_id, env.session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
+    def dormant(self, route: bytes, env: p.Envelope, body) -> Session | None:
+        """A request for a session this worker does not hold: restore it from
+        the store when the request needs it live; None when answered here."""
+        if env.op == Op.CREDIT:
+            return None
+        if env.op == Op.CANCEL:
+            self.send(route, Op.FINAL, env.request_id, env.session_id, p.Ack())  # nothing runs on it here
+            return None
+        if env.op == Op.CLOSE:
+            if not self.store.exists(env.session_id):
+                raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {env.session_id!r}")
+            self.store.delete(env.session_id)
+            self.send(route, Op.FINAL, env.request_id, env.session_id, p.Closed(session_id=env.session_id))
+            return None
+        if env.op == Op.HIBERNATE:
+            raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"session {env.session_id!r} is not live here")
+        return self.restore(env.session_id)
+
+    def restore(self, session_id: str) -> Session:
+        if self.draining:
+            raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
+        if not self.pool.take():
+            raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
+        started = time.perf_counter()
+        try:
+            session, replayed = durable.restore(self.store, self.engine, session_id)
+        except BaseException:
+            self.pool.give_back()
+            raise
+        seconds = time.perf_counter() - started
+        session.restores += 1
+        session.last_restore_s = seconds
+        self.sessions[session_id] = session
+        log.info("session_restored", session=session_id, seconds=round(seconds, 4), replayed_tokens=replayed)
+        restored = p.Restored(session_id=session_id, seconds=seconds, replayed_tokens=replayed)
+        self.send(b"", Op.RESTORED, 0, session_id, restored)
+        return session
+
     def on_control(self, name: bytes) -> None:
-        if name == control.DROP:
-            for session in list(self.sessions.values()):
-                self.drop(session)
-        elif name == control.DRAIN:
+        if name == control.DRAIN:
             self.draining = True
         elif name == control.CANCEL_ALL:
             for job in self.jobs.values():
@@ -181,7 +237,13 @@ class Scheduler:
         except BaseException:
             self.pool.give_back()
             raise
+        session.owner = body.client_name or ""
         self.sessions[session.id] = session
+        try:
+            self.save(session)
+        except BaseException:
+            self.drop(session)
+            raise
         log.info("session_opened", session=session.id, sink=session.sink, window=session.window)
         self.send(
             route,
@@ -236,6 +298,8 @@ class Scheduler:
                         ErrorCode.CANCELLED,
                         f"append cancelled; {len(session.pending)} tokens stay queued for the next call",
                     )
+            job.saved = True
+            self.save(session)  # durable before the client hears it is done
             self.send(
                 route,
                 Op.FINAL,
@@ -298,6 +362,8 @@ class Scheduler:
                 session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
                 if reason is not StopReason.CANCELLED or completion:
                     yield from self.engine.prefill(session)
+            job.saved = True
+            self.save(session)  # durable before the client hears it is done
             self.send(
                 route,
                 Op.FINAL,
@@ -349,26 +415,51 @@ class Scheduler:
                 busy=session.id in self.jobs,
                 messages=len(session.conversation.messages),
                 token_ids=session.history + session.pending if body.token_ids else None,
+                restores=session.restores,
+                last_restore_s=session.last_restore_s,
             ),
         )
 
-    def close(self, session: Session, route: bytes, request_id: int) -> None:
+    def close(self, session: Session, route: bytes, request_id: int, keep: bool = False) -> None:
+        """Free the slab and, unless `keep` (the broker's, when another
+        worker holds the session), the stored record."""
         self.drop(session)
+        if not keep:
+            self.store.delete(session.id)
+        log.info("session_closed", session=session.id, kept=keep)
         self.send(route, Op.FINAL, request_id, session.id, p.Closed(session_id=session.id))
 
     def close_request(self, route: bytes, env: p.Envelope, body: p.Close, session: Session) -> None:
         job = self.jobs.get(session.id)
         if job is None:
-            self.close(session, route, env.request_id)
+            self.close(session, route, env.request_id, body.keep)
         else:  # stop the running job at its next boundary, then close
             job.cancelled = True
-            job.close_after = (route, env.request_id)
+            job.close_after = (route, env.request_id, body.keep)
+
+    def hibernate(self, route: bytes, env: p.Envelope, body: p.Hibernate, session: Session) -> None:
+        """Snapshot the session to the store and free its slab (the broker
+        picked it as idle; a job started since makes it `busy`)."""
+        if session.id in self.jobs:
+            raise ProtocolError(ErrorCode.BUSY, "a request runs on this session")
+        started = time.perf_counter()
+        written = self.save(session, snapshot=True)
+        self.drop(session)
+        seconds = time.perf_counter() - started
+        log.info("session_hibernated", session=session.id, bytes=written, seconds=round(seconds, 4))
+        self.send(
+            route,
+            Op.FINAL,
+            env.request_id,
+            session.id,
+            p.Hibernated(session_id=session.id, bytes=written, seconds=seconds),
+        )
 
     def drop(self, session: Session) -> None:
+        """Forget a live session and free its slab (its record stays)."""
         self.jobs.pop(session.id, None)
         del self.sessions[session.id]
         self.pool.give_back()
-        log.info("session_closed", session=session.id)
         mx.clear_cache()
 
     HANDLERS: ClassVar = {
@@ -379,4 +470,5 @@ class Scheduler:
         Op.CREDIT: credit,
         Op.INFO: info,
         Op.CLOSE: close_request,
+        Op.HIBERNATE: hibernate,
     }

@@ -13,11 +13,12 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
-from kvmux import logs
+from kvmux import logs, paths
 from kvmux import protocol as p
 from kvmux.protocol import Op
 
@@ -41,6 +42,7 @@ class WorkerConfig:
     worker_id: str | None = None
     heartbeat_s: float = p.HEARTBEAT_INTERVAL_S
     grace_s: float = 30.0  # drain: how long running generations may finish
+    state_dir: str = field(default_factory=lambda: str(paths.state_dir()))  # the session store
 
 
 class Worker:
@@ -66,6 +68,8 @@ class Worker:
         try:
             import mlx.core as mx
 
+            from kvmux.store import Store, store_id
+
             from .engine import Engine
             from .model import load
             from .scheduler import Scheduler
@@ -75,7 +79,10 @@ class Worker:
             mx.set_default_stream(mx.new_stream(mx.default_device()))
             loaded = load(self.config.model)
             engine = Engine(loaded, max_sink=self.config.sink, max_window=self.config.window)
-            scheduler = Scheduler(engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe)
+            store = Store(self.config.state_dir)
+            scheduler = Scheduler(
+                engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe, store=store
+            )
             ready = p.WorkerReady(
                 model=loaded.model_id,
                 slabs=self.config.slabs,
@@ -86,9 +93,11 @@ class Worker:
                 pid=os.getpid(),
                 host=socket.gethostname(),
                 free_slabs=self.config.slabs,
+                store=store_id(self.config.state_dir),
             )
             pipe.send_multipart([control.LOADED, p.encode(ready)])
             scheduler.run(self.stop)
+            scheduler.save_all()
         except BaseException:
             log.exception("compute_failed")
             pipe.send(control.FAILED)
@@ -124,7 +133,7 @@ class Worker:
         self._send_broker(Op.DISCONNECT, p.Disconnect(reason="drained"))
         log.info("worker_drained")
         self.stop.set()
-        compute.join(timeout=5)
+        compute.join(timeout=120)  # it snapshots the sessions a restart would replay
         self.broker.close()
         self.pipe.close(linger=0)
         return 0
@@ -212,7 +221,10 @@ class Worker:
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(self.config.connect)
-        sock.send_multipart([b"", p.envelope(Op.READY), self.ready_body])
+        ready = msgspec.structs.replace(
+            p.decode_body(Op.READY, self.ready_body), free_slabs=self.status.free_slabs, sessions=self.status.sessions
+        )
+        sock.send_multipart([b"", p.envelope(Op.READY), p.encode(ready)])
         self.broker = sock
         self.poller.register(sock, zmq.POLLIN)
         self.last_heard = time.monotonic()
@@ -220,9 +232,8 @@ class Worker:
         log.info("worker_registering", broker=self.config.connect, worker=self.id)
 
     def _reregister(self) -> None:
-        """A broker that lost us knows none of our sessions: drop them all and
-        register anew on a fresh socket."""
-        self.pipe.send(control.DROP)
+        """Register anew on a fresh socket; the sessions we hold stay ours
+        (READY names them), whatever the broker forgot."""
         self.poller.unregister(self.broker)
         self.broker.close(linger=0)
         self._connect()

@@ -23,6 +23,7 @@ from kvmux.protocol import (
     Sampling,
     SessionInfo,
     SessionOpened,
+    SessionSummary,
     WorkerStats,
 )
 
@@ -76,6 +77,7 @@ __all__ = [
     "SessionInfo",
     "SessionNotFound",
     "SessionOpened",
+    "SessionSummary",
     "Stream",
     "Timeout",
     "UnknownOp",

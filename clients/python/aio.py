@@ -55,6 +55,9 @@ class AsyncClient:
         """See `Client.resume_session`."""
         return self._session(await self._call(*core.resume_request(session_id), timeout))
 
+    async def list_sessions(self, *, timeout: float | None = None) -> list[p.SessionSummary]:
+        return (await self._call(*core.list_sessions_request(), timeout)).sessions
+
     async def stats(self, *, timeout: float | None = None) -> p.BrokerStats:
         return await self._call(*core.stats_request(), timeout)
 

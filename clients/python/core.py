@@ -79,6 +79,10 @@ def resume_request(session_id: str) -> tuple:
     return p.Op.RESUME, session_id, p.Resume()
 
 
+def list_sessions_request() -> tuple:
+    return p.Op.SESSIONS, "", p.ListSessions()
+
+
 class SessionCore:
     """A session's state and the request of each of its calls; the shells'
     Session/AsyncSession add the waiting."""

@@ -65,6 +65,10 @@ class Client:
         raises SessionNotFound or SessionExpired."""
         return self._session(self._call(*core.resume_request(session_id), timeout))
 
+    def list_sessions(self, *, timeout: float | None = None) -> list[p.SessionSummary]:
+        """Every session the daemon keeps, live and hibernated."""
+        return self._call(*core.list_sessions_request(), timeout).sessions
+
     def stats(self, *, timeout: float | None = None) -> p.BrokerStats:
         return self._call(*core.stats_request(), timeout)
 

@@ -1,0 +1,55 @@
+"""Slab snapshots: a session's KV arrays and its last logits in one
+safetensors file, restored bit for bit.
+
+mlx-lm's save_prompt_cache/load_prompt_cache would fit but for one thing:
+load_prompt_cache finds each cache's class by name in mlx-lm's own module,
+so our SlabCache subclass cannot come back through it. The arrays and the
+rotating buffer's positions are stored as they are (not in temporal order),
+so the restored slab is the same buffer and every later step computes
+exactly what it would have.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvmux.store import atomic_file
+
+from .slab import SlabCache, make_slab
+
+
+def save(path: Path, slab: list[SlabCache], logits: mx.array | None) -> int:
+    """Write the snapshot atomically; returns its size in bytes."""
+    arrays: dict[str, mx.array] = {}
+    positions = []
+    for i, layer in enumerate(slab):
+        if layer.keys is not None:
+            arrays[f"{i}.keys"], arrays[f"{i}.values"] = layer.keys, layer.values
+        positions.append([layer.offset, layer._idx])
+    if logits is not None:
+        arrays["logits"] = logits
+    meta = {"positions": json.dumps(positions), "layers": str(len(slab))}
+    with atomic_file(path) as tmp:
+        mx.save_safetensors(str(tmp), arrays, meta)
+    return path.stat().st_size
+
+
+def load(path: Path, sink: int, window: int, num_layers: int) -> tuple[list[SlabCache], mx.array | None]:
+    """The slab and logits saved at `path`; raises ValueError when the file
+    does not hold a snapshot of that shape."""
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        positions = json.loads(meta["positions"])
+    except Exception as exc:  # mx.load raises RuntimeError/ValueError on a bad file
+        raise ValueError(f"unreadable slab snapshot {path.name}: {exc}") from None
+    if len(positions) != num_layers:
+        raise ValueError(f"slab snapshot {path.name} has {len(positions)} layers, the model {num_layers}")
+    slab = make_slab(num_layers, sink, window)
+    for i, (layer, (offset, idx)) in enumerate(zip(slab, positions, strict=True)):
+        if f"{i}.keys" in arrays:
+            layer.keys, layer.values = arrays[f"{i}.keys"], arrays[f"{i}.values"]
+        layer.offset, layer._idx = offset, idx
+    return slab, arrays.get("logits")
