@@ -154,6 +154,27 @@ def admission(
 
 
 @bench_app.command()
+def sessions(
+    sessions: int = typer.Option(64, help="Sessions taking turns, round robin."),
+    slabs: int = typer.Option(4, help="Slabs of the one worker (sessions beyond hibernate)."),
+    turns: int = typer.Option(3, help="Turns per session."),
+    max_tokens: int = typer.Option(8, help="Tokens per reply."),
+    repeats: int = typer.Option(3, help="Restore vs re-prefill pairs of a full default window."),
+    output: Path = typer.Option(Path("sessions.json"), help="Report path."),
+) -> None:
+    """Many sessions over few slabs: per-turn latency split into restore and turn, restore vs re-prefill, bytes per session."""
+    from kvmux import logs
+
+    from .sessions import run
+
+    logs.configure()
+    doc = run(output, sessions=sessions, slabs=slabs, turns=turns, max_tokens=max_tokens, repeats=repeats)
+    keys = ("hibernating", "resident", "restore_vs_prefill", "crash_recovery")
+    typer.echo(json.dumps({k: doc[k] for k in keys}, indent=1))
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
 def clients(
     info_calls: int = typer.Option(500, help="Session-info round trips per client and transport."),
     chats: int = typer.Option(5, help="Short chats timed to their first token."),

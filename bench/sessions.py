@@ -10,17 +10,23 @@
   compared with prefilling the same tokens again (what a runtime without
   a store pays), A B A B in one run, median with min and max.
 - bytes on disk per session (the record and the slab snapshot).
+- crash recovery: the daemon's worker is SIGKILLed between two turns of a
+  session; the time from the kill to the next turn served (the restart's
+  backoff, the model load, the restore), and whether that turn equals a
+  control session's.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmux.client import Client
+from kvmux.client import Client, KvmuxError
 
 from . import spawn
 from .report import latency_summary, machine, now_iso, write_json_atomic
@@ -93,6 +99,38 @@ def restore_vs_prefill(frontend: str, tokens: int, repeats: int) -> dict:
     }
 
 
+def crash_recovery(frontend: str, repeats: int) -> dict:
+    """Seconds from SIGKILL of the worker to the session's next turn served."""
+    seconds, identical = [], []
+    with Client(frontend, timeout=300) as client:
+        for _ in tqdm(range(repeats), desc="crash recovery", unit="kill"):
+            session = client.open_session(system="Be brief.")
+            first = _reply(session, "Name a fruit.")
+            pid = client.stats().workers[0].pid
+            killed = time.perf_counter()
+            os.kill(pid, signal.SIGKILL)
+            second = _reply_when_served(session, "Name a colour.")
+            seconds.append(time.perf_counter() - killed)
+            control = client.open_session(system="Be brief.")
+            identical.append(_reply(control, "Name a fruit.") == first and _reply(control, "Name a colour.") == second)
+            control.close()
+            session.close()
+    return {"kill_to_next_turn_s": _spread(seconds), "identical": all(identical)}
+
+
+def _reply(session, text: str) -> list[int]:
+    return [t for chunk in session.chat(text, max_tokens=8) for t in chunk.token_ids]
+
+
+def _reply_when_served(session, text: str) -> list[int]:
+    """The reply as soon as a worker serves it (retrying while none is up)."""
+    while True:
+        try:
+            return _reply(session, text)
+        except KvmuxError:
+            time.sleep(0.05)
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -117,5 +155,7 @@ def run(output: Path, *, sessions: int, slabs: int, turns: int, max_tokens: int,
         doc["resident"] = round_robin(frontend, sessions, turns, max_tokens, f"{sessions} sessions resident")
     with spawn.serve(slabs=1) as frontend:
         doc["restore_vs_prefill"] = restore_vs_prefill(frontend, 2052, repeats)
+    with spawn.serve(slabs=2) as frontend:
+        doc["crash_recovery"] = crash_recovery(frontend, repeats)
     write_json_atomic(output, doc)
     return doc

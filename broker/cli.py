@@ -15,6 +15,7 @@ def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command()(stats)
     app.command()(drain)
+    app.command()(sessions)
 
 
 def serve(
@@ -145,6 +146,50 @@ def drain(
         typer.echo(f"kvmux drain: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo("draining")
+
+
+def sessions(
+    action: str = typer.Argument("ls", help="ls: list sessions; rm: delete the sessions named."),
+    session_ids: list[str] = typer.Argument(None, help="With rm: the session ids."),
+    endpoint: str | None = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    json: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
+    timeout_s: float = typer.Option(10.0, help="Give up after this long."),
+) -> None:
+    """List the daemon's sessions (live and hibernated), or delete some (`kvmux sessions rm ID ...`)."""
+    from kvmux.client import Client, KvmuxError
+
+    if action not in ("ls", "rm") or (action == "rm" and not session_ids):
+        typer.echo("kvmux sessions: use `kvmux sessions [ls]` or `kvmux sessions rm ID [ID ...]`", err=True)
+        raise typer.Exit(2)
+    try:
+        with Client(endpoint, timeout=timeout_s) as client:
+            if action == "ls":
+                rows = client.list_sessions()
+            else:
+                for session_id in session_ids:
+                    client.resume_session(session_id).close()
+                    typer.echo(f"removed {session_id}")
+                return
+    except KvmuxError as exc:
+        typer.echo(f"kvmux sessions: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if json:
+        typer.echo(msgspec.json.format(msgspec.json.encode(rows).decode()))
+        return
+    typer.echo(f"{'SESSION':32}  {'STATE':10}  {'OWNER':16}  {'TOKENS':>7}  {'IDLE':>8}  {'DISK':>9}")
+    for s in sorted(rows, key=lambda s: s.idle_s):
+        typer.echo(
+            f"{s.session_id:32}  {s.state:10}  {s.owner[:16]:16}  {s.history_tokens:>7}  {s.idle_s:>7.0f}s"
+            f"  {_size(s.bytes_on_disk):>9}"
+        )
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _by_reason(refused) -> str:

@@ -4,6 +4,7 @@ with the real embedded model. Nothing here stands in for any part."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -63,21 +64,19 @@ class Stack:
         self.state = self.dir / "state"  # the session store, the broker's and its workers'
         self.worker_args = ["--state-dir", str(self.state), *worker_args]
         self.workers: list[subprocess.Popen] = []
-        self.broker = self._spawn(
-            "broker",
-            kvmux_command(
-                "serve",
-                "--workers",
-                "0",
-                "--frontend",
-                self.frontend,
-                "--backend",
-                self.backend,
-                "--state-dir",
-                str(self.state),
-                *broker_args,
-            ),
+        self.broker_cmd = kvmux_command(
+            "serve",
+            "--workers",
+            "0",
+            "--frontend",
+            self.frontend,
+            "--backend",
+            self.backend,
+            "--state-dir",
+            str(self.state),
+            *broker_args,
         )
+        self.broker = self._spawn("broker", self.broker_cmd)
         for _ in range(workers):
             self.add_worker(wait=False)
         self.wait_workers(workers)
@@ -120,6 +119,12 @@ class Stack:
                 return stats
             time.sleep(0.2)
         raise TimeoutError(f"{count} workers not registered in {timeout_s}s\n{self.logs()}")
+
+    def restart_broker(self) -> None:
+        """SIGKILL the broker, then start it again on the same endpoints and store."""
+        self.broker.send_signal(signal.SIGKILL)
+        self.broker.wait(timeout=30)
+        self.broker = self._spawn("broker", self.broker_cmd)
 
     def kill_worker(self, index: int = 0, sig: int = signal.SIGKILL) -> None:
         proc = self.workers[index]
@@ -179,6 +184,18 @@ class Daemon:
 
     def logs(self, tail: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-tail:]
+
+    def events(self, name: str) -> list[dict]:
+        """The daemon's JSON log lines whose event is `name`."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # not a log line (a traceback, MLX's warnings)
+            if isinstance(entry, dict) and entry.get("event") == name:
+                out.append(entry)
+        return out
 
     def kill_all(self) -> None:
         """SIGKILL every worker and the broker at once (workers run in

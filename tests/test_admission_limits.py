@@ -1,6 +1,8 @@
-"""Queue limits and quota on one worker with one slab: a queued open that
-waits too long, a full queue, a cancelled queued open (its place frees), and
-a client over its quota each get `overloaded` with the right reason."""
+"""Queue limits and quota on one worker with one slab kept busy by a running
+generation (an idle slab would be hibernated for the newcomer): a queued
+open that waits too long, a full queue, a cancelled queued open (its place
+frees), and a client over its quota each get `overloaded` with the right
+reason."""
 
 from __future__ import annotations
 
@@ -51,10 +53,21 @@ def _overloaded(reply, reason: str) -> p.Error:
     return error
 
 
+def busy(raw: Raw, session_id: str) -> int:
+    """Start a long generation and read one chunk: with credit 1 the worker
+    then waits for a grant, so the slab stays busy without computing."""
+    story = [p.ChatMessage("user", "Tell a very long story about the sea.")]
+    request_id = raw.send(Op.GENERATE, p.Generate(messages=story, max_tokens=256, credit=1), session_id)
+    env, chunk = raw.recv()
+    assert env.request_id == request_id and isinstance(chunk, p.Chunk), (env, chunk)
+    return request_id
+
+
 def test_queue_timeout_overflow_and_cancel(stack, raws):
     holder, late, c, d, e, f = (raws() for _ in range(6))
     _, held = holder.call(Op.OPEN, p.OpenSession())
     assert isinstance(held, p.SessionOpened)
+    running = busy(holder, held.session_id)
 
     started = time.monotonic()
     error = _overloaded(late.call(Op.OPEN, p.OpenSession(queue_wait_s=0.5)), "queue_timeout")
@@ -77,17 +90,18 @@ def test_queue_timeout_overflow_and_cancel(stack, raws):
     f_open = f.send(Op.OPEN, p.OpenSession())  # takes the freed place
     _queue_depth_is(stack, 2)
 
-    # slabs free one by one: d (queued first) gets the slab, then f
-    holder.call(Op.CLOSE, p.Close(), held.session_id)
-    env, opened = d.recv()
-    assert env.request_id == d_open and isinstance(opened, p.SessionOpened)
-    assert not f.sock.poll(200)  # f still waits
-    d.call(Op.CLOSE, p.Close(), opened.session_id)
-    env, opened = f.recv()
-    assert env.request_id == f_open and isinstance(opened, p.SessionOpened)
-    f.call(Op.CLOSE, p.Close(), opened.session_id)
+    # the holder's generation ends: its idle session hibernates for d (queued
+    # first), whose new idle session hibernates in turn for f
+    holder.send(Op.CANCEL, p.Cancel(request_id=running), held.session_id)
+    env, opened_d = d.recv()
+    assert env.request_id == d_open and isinstance(opened_d, p.SessionOpened)
+    env, opened_f = f.recv()
+    assert env.request_id == f_open and isinstance(opened_f, p.SessionOpened)
+    for raw, session_id in ((d, opened_d.session_id), (f, opened_f.session_id)):
+        raw.call(Op.CLOSE, p.Close(), session_id)
     stats = stack.stats()
-    assert stats.queue_depth == 0 and stats.slabs_used == 0 and stats.queue_wait_p99_s > 0
+    assert stats.queue_depth == 0 and stats.queue_wait_p99_s > 0 and stats.hibernations >= 2
+    assert stats.sessions == 1 and stats.sessions_hibernated + stats.sessions_live == 1  # the holder's, resumable
 
 
 def test_override_limits(stack, raws):
@@ -101,6 +115,7 @@ def test_client_quota(stack, raws):
     first, second, third, other = (raws() for _ in range(4))
     _, held = first.call(Op.OPEN, p.OpenSession(client_name="app"))
     assert isinstance(held, p.SessionOpened)
+    busy(first, held.session_id)
     queued = second.send(Op.OPEN, p.OpenSession(client_name="app"))  # a queued open counts too
     _queue_depth_is(stack, 1)
     error = _overloaded(third.call(Op.OPEN, p.OpenSession(client_name="app")), "quota")
@@ -108,7 +123,10 @@ def test_client_quota(stack, raws):
     other_open = other.send(Op.OPEN, p.OpenSession(client_name="another-app"))  # not over its quota: queued
     _queue_depth_is(stack, 2)
 
-    first.call(Op.CLOSE, p.Close(), held.session_id)
+    closing = first.send(Op.CLOSE, p.Close(), held.session_id)  # cancels its generation, then closes
+    while (reply := first.recv())[0].request_id != closing:
+        pass  # the cancelled stream's last chunk and result
+    assert isinstance(reply[1], p.Closed)
     env, opened = second.recv()
     assert env.request_id == queued and isinstance(opened, p.SessionOpened)
     second.call(Op.CLOSE, p.Close(), opened.session_id)

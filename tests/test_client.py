@@ -220,18 +220,20 @@ def test_overloaded_worker_lost_and_expired(stack_factory):
     stack = stack_factory(workers=1, slabs=1, broker_args=["--idle-timeout-s", "3"])
     with Client(stack.frontend, timeout=30) as c:
         session = c.open_session()
-        with pytest.raises(Overloaded) as err:
-            c.open_session()
-        assert err.value.reason == p.OverloadReason.NO_SLAB.value
         stream = session.chat("Tell me a long story.", max_tokens=16)
-        next(stream)
+        next(stream)  # the only slab runs a generation: nothing to hibernate
+        with pytest.raises(Overloaded) as err:
+            c.open_session(admission="reject")
+        assert err.value.reason == p.OverloadReason.NO_SLAB.value
         stack.kill_worker(0)
         killed = time.monotonic()
         with pytest.raises(WorkerLost):
             list(stream)
         assert time.monotonic() - killed < 3 * p.HEARTBEAT_INTERVAL_S + 1.0
+        assert session.info().state == "hibernated"  # what completed is kept in the store
+        session.close()
         with pytest.raises(SessionNotFound):
-            session.info()
+            session.client.resume_session(session.id)
         stack.add_worker()
         fresh = c.open_session()
         stream = fresh.chat("Hi.", max_tokens=2)

@@ -110,7 +110,10 @@ def test_worker_killed_mid_generation_restarts_and_resumes(tmp_path):
         with pytest.raises(WorkerLost):
             for _ in stream:
                 pass
-        deadline = killed + 10
+        # The issue's goal is 10 s (backoff 1 s + a model load: ~5 s on an idle
+        # 2-core machine, measured in the closing note); the bound here leaves
+        # room for a CI machine loaded by other tests.
+        deadline = killed + 30
         while not (stats := client.stats()).workers or stats.workers[0].pid == pid:
             assert time.monotonic() < deadline, daemon.logs()
             time.sleep(0.1)
@@ -120,7 +123,7 @@ def test_worker_killed_mid_generation_restarts_and_resumes(tmp_path):
         assert reply(control, "Name a fruit.") == first
         assert reply(control, "Name a colour.") == second
         assert served < 60, served
-        assert "restart" in daemon.logs()
+        assert daemon.events("local_worker_restart"), daemon.logs()
 
 
 def test_whole_daemon_killed_then_served_again(tmp_path):
@@ -138,6 +141,25 @@ def test_whole_daemon_killed_then_served_again(tmp_path):
             assert resumed.info(token_ids=True).token_ids == tokens
             assert len(reply(resumed, "Thanks!")) > 0
         assert client.stats().sessions == 3
+
+
+def test_workers_keep_their_sessions_while_the_broker_restarts(stack_factory):
+    """SIGKILL of the broker alone: its worker keeps the slab, registers with
+    the new broker listing its sessions, and they go on where they were."""
+    stack = stack_factory(workers=1, slabs=2)
+    with Client(stack.frontend, timeout=120) as client:
+        session = client.open_session(system="Be brief.")
+        reply(session, PROMPTS[0])
+        before = session.info(token_ids=True).token_ids
+        session.detach()  # closing this client must not close it
+    stack.restart_broker()
+    stack.wait_workers(1)
+    with Client(stack.frontend, timeout=120) as client:
+        resumed = client.resume_session(session.id)
+        info = resumed.info(token_ids=True)
+        assert info.state == "live" and info.restores == 0 and info.token_ids == before  # never left its slab
+        assert len(reply(resumed, "Thanks!")) > 0
+        assert client.stats().sessions == 1
 
 
 def test_corrupt_records_are_typed_errors(tmp_path):

@@ -1,7 +1,7 @@
 """One decode step for several sessions at once.
 
 On a CPU (and a GPU) a single-token step is bound by reading the weights;
-feeding B sessions' tokens through one pass reads them once. Projections,
+running B sessions' tokens through one pass reads them once. Projections,
 MLP and head run batched; attention runs per session on its own slab, so
 slabs stay separate (no merge/extract copies) and sessions of any length,
 sink and window batch together.
@@ -25,7 +25,7 @@ def supports_batching(model: nn.Module) -> bool:
 
 
 def forward(model: llama.Model, tokens: mx.array, slabs: list[list[SlabCache]]) -> mx.array:
-    """Logits (B, vocab) after feeding tokens[b] into slabs[b], for b < B."""
+    """Logits (B, vocab) after running tokens[b] through slabs[b], for b < B."""
     batch = len(slabs)
     h = model.model.embed_tokens(tokens.reshape(batch, 1))
     for index, layer in enumerate(model.model.layers):

@@ -2,11 +2,13 @@
 thread (scheduler.py): the only thing the two threads share.
 
 Three-part messages `[route, envelope, body]` are requests (I/O -> compute)
-or replies (compute -> I/O), passed through as the broker framed them.
-Anything else is control, `[name]` or `[name, payload]`:
+or replies (compute -> I/O), passed through as the broker framed them (an
+empty route is the broker's own, as for RESTORED). Anything else is
+control, `[name]` or `[name, payload]`:
 
     I/O -> compute   DRAIN         take no new sessions, finish running work
                      CANCEL_ALL    the drain's grace is over: cancel every job
+                     STOP          the drain is done: save the sessions and end
     compute -> I/O   LOADED, ready the model is loaded; payload: the READY body
                      FAILED        loading or the compute loop died
                      STATUS, body  slabs and jobs changed; payload: `Status`
@@ -20,6 +22,7 @@ PIPE = "inproc://kvmux-compute"
 
 DRAIN = b"drain"
 CANCEL_ALL = b"cancel_all"
+STOP = b"stop"
 LOADED = b"loaded"
 FAILED = b"failed"
 STATUS = b"status"

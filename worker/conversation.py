@@ -52,13 +52,16 @@ class Conversation:
     def close_turn(self, content: str, generated_text: str) -> str:
         """Record the assistant's reply; return the text that closes its turn
         (what the template adds after the generated tokens, e.g. `<|im_end|>\\n`)."""
-        fed = self.rendered + generated_text
+        in_slab = self.rendered + generated_text
         self.messages.append({"role": "assistant", "content": content})
         full = self._render(self.messages)
         self.rendered = full
-        if full.startswith(fed):
-            return full[len(fed) :]
+        if full.startswith(in_slab):
+            return full[len(in_slab) :]
         # The reply was cut inside a special token or the template rewrote
-        # it: fall back to what the template puts after the content.
+        # it: fall back to what the template puts after the content, or to
+        # nothing when the content is not there verbatim (never the text
+        # before it, which the slab already holds).
         log.warning("turn_close_mismatch", content_chars=len(content))
-        return full[full.rfind(content) + len(content) :] if content else ""
+        at = full.rfind(content) if content else -1
+        return full[at + len(content) :] if at >= 0 else ""

@@ -2,11 +2,11 @@
 store (kvmux/store.py) after every request, its slab snapshotted on
 hibernation, and the session rebuilt from both, exactly.
 
-A restore loads the last snapshot (or starts from an empty slab) and feeds
-the tokens that came after it again, in the chunks they were first fed in
-(`Session.replay`): the same shapes through the same model compute the same
-keys and values, so the restored slab and logits equal the lost ones bit for
-bit, for a session that decoded alone. (A decode step batched with other
+A restore loads the last snapshot (or starts from an empty slab) and runs
+the tokens that came after it through the slab again, in the chunks they
+first ran in (`Session.replay`): the same shapes through the same model
+compute the same keys and values, so the restored slab and logits equal the
+lost ones bit for bit, for a session that decoded alone. (A decode step batched with other
 sessions reduces in another order; replaying it alone can differ in the last
 bits.) Snapshots bound that replay: one is written whenever more than
 SNAPSHOT_AFTER_CHUNKS chunks have piled up since the last.
@@ -74,7 +74,7 @@ def save(store: Store, session: Session, model_id: str, *, snapshot_now: bool = 
 
 
 def restore(store: Store, engine: Engine, session_id: str) -> tuple[Session, int]:
-    """The session rebuilt from the store, and how many tokens were fed
+    """The session rebuilt from the store, and how many tokens were run
     again; raises ProtocolError (session_not_found, session_corrupt)."""
     try:
         if not store.exists(session_id):

@@ -6,7 +6,7 @@ scheduler can interleave sessions, batch their decode steps, and honour a
 cancel at the next boundary.
 A session's invariant: its slab holds every history token, and `logits` are
 the model's output after the last one, so a generate may start sampling at
-once and a cancelled or finished generation leaves nothing half-fed.
+once and a cancelled or finished generation leaves slab and logits in step.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ class Scheduler:
     sessions: dict[str, Session] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
     draining: bool = False
+    stopping: bool = False
     reported: control.Status | None = None  # the last STATUS sent to the I/O thread
 
     # ------------------------------------------------------------ plumbing
@@ -79,9 +80,9 @@ class Scheduler:
             self.pipe.send_multipart([control.STATUS, control.encode_status(status)])
             self.reported = status
 
-    def run(self, stop) -> None:
-        """Serve until `stop` (a threading.Event) is set."""
-        while not stop.is_set():
+    def run(self) -> None:
+        """Serve until the I/O thread says STOP."""
+        while not self.stopping:
             runnable = [job for job in self.jobs.values() if job.runnable]
             timeout = 0 if runnable else IDLE_POLL_MS
             while self.pipe.poll(timeout):
@@ -224,6 +225,8 @@ class Scheduler:
         elif name == control.CANCEL_ALL:
             for job in self.jobs.values():
                 job.cancelled = True
+        elif name == control.STOP:
+            self.stopping = True
 
     def open(self, route: bytes, env: p.Envelope, body: p.OpenSession) -> None:
         if self.draining:

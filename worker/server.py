@@ -1,9 +1,9 @@
 """The worker's I/O thread: a DEALER to the broker's backend, heartbeats both
 ways, and the inproc pipe to the compute thread (worker/control.py says what
-flows on it). Socket I/O never waits on MLX (which releases the GIL while it
-computes), so heartbeats flow and cancel frames arrive during a long prefill
-or decode. Everything this thread knows of the compute thread's state came
-over the pipe.
+flows on it, each way). Socket I/O never waits on MLX (which releases the GIL
+while it computes), so heartbeats flow and cancel frames arrive during a long
+prefill or decode. Everything this thread knows of the compute thread's state
+came over the pipe; it never touches the scheduler or an MLX object.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ log = logs.get("worker")
 # Replies are small and the broker drains them at once; a deep send queue
 # only hides a stuck broker, which the heartbeat already catches.
 SEND_HWM = 10_000
-_DRAIN_POLL_MS = 50
 
 
 @dataclass
@@ -50,19 +49,20 @@ class Worker:
         self.config = config
         self.id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.ctx = zmq.Context.instance()
-        self.stop = threading.Event()
-        self.drain_requested = threading.Event()  # set by SIGTERM/SIGINT
+        self.drain_requested = False  # set by SIGTERM/SIGINT
         self.ready_body = b""  # from the compute thread's LOADED
-        self.status = control.Status(free_slabs=config.slabs, running=0, sessions=[])
+        self.status = control.Status(free_slabs=config.slabs, running=0, sessions=[])  # its last STATUS
         self.broker: zmq.Socket | None = None
         self.pipe: zmq.Socket | None = None
         self.poller = zmq.Poller()
         self.last_heard = self.next_beat = 0.0
-        self.drain_deadline: float | None = None
+        self.drain_deadline: float | None = None  # set when the drain starts
 
     # ------------------------------------------------------------ compute
 
     def _compute(self) -> None:
+        """The compute thread's body: load the model, say LOADED (or FAILED),
+        serve until STOP. Of `self` it reads only the config and the id."""
         pipe = self.ctx.socket(zmq.PAIR)
         pipe.connect(control.PIPE)
         try:
@@ -96,7 +96,7 @@ class Worker:
                 store=store_id(self.config.state_dir),
             )
             pipe.send_multipart([control.LOADED, p.encode(ready)])
-            scheduler.run(self.stop)
+            scheduler.run()
             scheduler.save_all()
         except BaseException:
             log.exception("compute_failed")
@@ -107,6 +107,9 @@ class Worker:
     # ------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        """Start the compute thread, register once the model is loaded, then
+        relay frames until a drain is done: 0, or 1 when the compute thread
+        failed."""
         self.pipe = self.ctx.socket(zmq.PAIR)
         self.pipe.bind(control.PIPE)
         compute = threading.Thread(target=self._compute, name="kvmux-compute", daemon=True)
@@ -115,12 +118,12 @@ class Worker:
         if first[0] != control.LOADED:
             return 1
         self.ready_body = first[1]
-        signal.signal(signal.SIGTERM, lambda *_: self.drain_requested.set())
-        signal.signal(signal.SIGINT, lambda *_: self.drain_requested.set())
+        signal.signal(signal.SIGTERM, self._request_drain)
+        signal.signal(signal.SIGINT, self._request_drain)
 
         self.poller.register(self.pipe, zmq.POLLIN)
         self._connect()
-        while not self._drained():
+        while True:
             events = dict(self.poller.poll(self._poll_ms()))
             now = time.monotonic()
             if self.pipe in events and not self._pump_compute():
@@ -128,20 +131,29 @@ class Worker:
             if self.broker in events:
                 self.last_heard = now
                 self._pump_broker()
-            self._check_broker(now)
-            self._beat(now)
+            if self._tick(now):
+                break
         self._send_broker(Op.DISCONNECT, p.Disconnect(reason="drained"))
         log.info("worker_drained")
-        self.stop.set()
+        self.pipe.send(control.STOP)
         compute.join(timeout=120)  # it snapshots the sessions a restart would replay
         self.broker.close()
         self.pipe.close(linger=0)
         return 0
 
+    def _tick(self, now: float) -> bool:
+        """Timers: broker liveness, our heartbeat, the drain. True once the
+        drain is done."""
+        self._check_broker_alive(now)
+        self._beat(now)
+        if self.drain_requested and self.drain_deadline is None:
+            self._start_drain(now)
+        return self.drain_deadline is not None and self._drain_done(now)
+
     def _poll_ms(self) -> int:
-        if self.drain_deadline is not None:
-            return _DRAIN_POLL_MS
-        return max(0, int((self.next_beat - time.monotonic()) * 1000))
+        """Until the next timer; a frame from either side wakes the poll sooner."""
+        wake = self.next_beat if self.drain_deadline is None else min(self.next_beat, self.drain_deadline)
+        return max(0, int((wake - time.monotonic()) * 1000))
 
     def _pump_compute(self) -> bool:
         """Replies go to the broker; control frames update what we know.
@@ -173,7 +185,7 @@ class Worker:
                 return
             self.pipe.send_multipart(frames)
 
-    def _check_broker(self, now: float) -> None:
+    def _check_broker_alive(self, now: float) -> None:
         silent = now - self.last_heard
         if silent > p.HEARTBEAT_LIVENESS * self.config.heartbeat_s:
             log.warning("broker_silent", seconds=round(silent, 1))
@@ -185,7 +197,7 @@ class Worker:
 
     def _heartbeat(self) -> None:
         status = self.status
-        draining = self.drain_requested.is_set()
+        draining = self.drain_requested
         self._send_broker(
             Op.HEARTBEAT, p.WorkerHeartbeat(free_slabs=status.free_slabs, running=status.running, draining=draining)
         )
@@ -193,19 +205,21 @@ class Worker:
 
     # ------------------------------------------------------------ drain
 
-    def _drained(self) -> bool:
-        """Start a requested drain; True once no job runs (as the compute
-        thread says after it saw DRAIN: no request can start one later).
-        Past the grace period running jobs are cancelled (they end at their
-        next token)."""
-        if not self.drain_requested.is_set():
-            return False
-        now = time.monotonic()
-        if self.drain_deadline is None:
-            self.drain_deadline = now + self.config.grace_s
-            self.pipe.send(control.DRAIN)
-            self._heartbeat()  # tell the broker at once: no new sessions here
-            log.info("worker_draining", grace_s=self.config.grace_s)
+    def _request_drain(self, *_) -> None:
+        """SIGTERM/SIGINT: the loop starts the drain at its next tick."""
+        self.drain_requested = True
+
+    def _start_drain(self, now: float) -> None:
+        """The compute thread takes no new work; running jobs get `grace_s`."""
+        self.drain_deadline = now + self.config.grace_s
+        self.pipe.send(control.DRAIN)
+        self._heartbeat()  # it says draining: the broker sends no new sessions here
+        log.info("worker_draining", grace_s=self.config.grace_s)
+
+    def _drain_done(self, now: float) -> bool:
+        """True once no job runs, as the compute thread reports after it saw
+        DRAIN (no request can start one later). Past the grace, running jobs
+        are cancelled: they end at their next token."""
         if self.status.draining and self.status.running == 0:
             return True
         if now > self.drain_deadline:

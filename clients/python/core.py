@@ -104,6 +104,12 @@ class SessionCore:
         reader, self.reader = self.reader, None
         return reader
 
+    def detach(self) -> None:
+        """Keep the session in the daemon when this client closes (a client's
+        close() closes the sessions it opened or resumed); resume it later
+        by its id, from any client."""
+        self.client._sessions.pop(self.id, None)
+
     def append_request(self, messages: wire.MessagesLike | None, token_ids: list[int] | None) -> tuple:
         return p.Op.APPEND, self.id, wire.append_body(messages, token_ids)
 

@@ -26,7 +26,9 @@ import {
   type Reply,
   type Sampling,
   type SessionInfo,
+  type SessionList,
   type SessionOpened,
+  type SessionSummary,
 } from "./schema.js";
 
 export const DEFAULT_TIMEOUT_MS = 30_000;
@@ -106,6 +108,21 @@ export class Client {
     const session = new Session(this, opened);
     this.sessions.add(session);
     return session;
+  }
+
+  /** A session object for an existing session id, opened by any connection;
+   * rejects with SessionNotFound, SessionExpired or SessionCorrupt. */
+  async resumeSession(sessionId: string, options: CallOptions = {}): Promise<Session> {
+    const opened = await this.call<SessionOpened>(Op.RESUME, sessionId, "Resume", {}, options.timeoutMs);
+    const session = new Session(this, opened);
+    this.sessions.add(session);
+    return session;
+  }
+
+  /** Every session the daemon keeps, live (in a slab) and hibernated (in its store). */
+  async listSessions(options: CallOptions = {}): Promise<SessionSummary[]> {
+    const list = await this.call<SessionList>(Op.SESSIONS, "", "ListSessions", {}, options.timeoutMs);
+    return list.sessions;
   }
 
   stats(options: CallOptions = {}): Promise<BrokerStats> {
@@ -218,6 +235,12 @@ export class Session {
 
   constructor(readonly client: Client, readonly opened: SessionOpened) {
     this.id = opened.sessionId;
+  }
+
+  /** Keep the session in the daemon when this client closes (a client's
+   * close() closes the sessions it opened or resumed); resume it later by id. */
+  detach(): void {
+    this.client.forget(this);
   }
 
   /** Append a user message and generate the reply, in one round trip. */

@@ -23,6 +23,23 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
   before(() => { client = new Client(endpoint, { timeoutMs: 60_000 }); });
   after(() => client.close());
 
+  test("a session resumes by id from another client", async () => {
+    const session = await client.openSession({ system: "You are terse.", maxTokens: 4 });
+    await collect(session.chat("Name a fruit."));
+    const before = await session.info({ tokenIds: true });
+    const other = new Client(endpoint, { timeoutMs: 60_000 });
+    try {
+      const resumed = await other.resumeSession(session.id);
+      assert.equal(resumed.id, session.id);
+      assert.deepEqual((await resumed.info({ tokenIds: true })).tokenIds, before.tokenIds);
+      assert.ok((await other.listSessions()).some((s) => s.sessionId === session.id));
+      await assert.rejects(other.resumeSession("0".repeat(32)), SessionNotFound);
+      await resumed.close();
+    } finally {
+      await other.close();
+    }
+  });
+
   test("multi-turn chat", async () => {
     const session = await client.openSession({ system: "You are terse.", maxTokens: 6 });
     const first = session.chat("Name a colour.");
@@ -107,10 +124,20 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
     await session.close();
     await assert.rejects(ghost.info(), (err: KvmuxError) => err instanceof SessionNotFound && err.code === "session_not_found");
 
+    // Idle slabs are hibernated for newcomers: `no_slab` only once every slab
+    // runs a generation (each paused here by credit 1, without computing).
     const held: Session[] = [];
+    const running: AsyncIterator<Chunk>[] = [];
     await assert.rejects(async () => {
-      for (let i = 0; i < 16; i++) held.push(await client.openSession());
+      for (let i = 0; i < 16; i++) {
+        const busy = await client.openSession({ admission: "reject" });
+        held.push(busy);
+        const stream = busy.chat("Tell a very long story.", { maxTokens: 256, credit: 1 })[Symbol.asyncIterator]();
+        await stream.next();
+        running.push(stream);
+      }
     }, (err: KvmuxError) => err instanceof Overloaded && err.reason === "no_slab");
+    for (const stream of running) await stream.return?.();
     await Promise.all(held.map((s) => s.close()));
 
     const dead = new Client("ipc:///tmp/kvmux-nobody-here.ipc", { timeoutMs: 300 });
