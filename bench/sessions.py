@@ -59,7 +59,7 @@ def round_robin(frontend: str, sessions: int, turns: int, max_tokens: int, label
             session.close()
     return {
         "turn": latency_summary(turn_ms),
-        "restore": latency_summary([r for r in restore_ms if r > 0]),
+        "restore": latency_summary(restored) if (restored := [r for r in restore_ms if r > 0]) else None,
         "turn_without_restore": latency_summary([t - r for t, r in zip(turn_ms, restore_ms, strict=True)]),
         "turns_restored": sum(1 for r in restore_ms if r > 0),
         "hibernations": stats.hibernations,
@@ -149,13 +149,18 @@ def run(output: Path, *, sessions: int, slabs: int, turns: int, max_tokens: int,
             "window": "serve default (2048 + sink 4)",
         },
     }
-    with spawn.serve(slabs=slabs) as frontend:
-        doc["hibernating"] = round_robin(frontend, sessions, turns, max_tokens, f"{sessions} sessions / {slabs} slabs")
-    with spawn.serve(slabs=sessions) as frontend:
-        doc["resident"] = round_robin(frontend, sessions, turns, max_tokens, f"{sessions} sessions resident")
-    with spawn.serve(slabs=1) as frontend:
-        doc["restore_vs_prefill"] = restore_vs_prefill(frontend, 2052, repeats)
-    with spawn.serve(slabs=2) as frontend:
-        doc["crash_recovery"] = crash_recovery(frontend, repeats)
-    write_json_atomic(output, doc)
+    phases = (
+        (
+            "hibernating",
+            slabs,
+            lambda f: round_robin(f, sessions, turns, max_tokens, f"{sessions} sessions / {slabs} slabs"),
+        ),
+        ("resident", sessions, lambda f: round_robin(f, sessions, turns, max_tokens, f"{sessions} sessions resident")),
+        ("restore_vs_prefill", 1, lambda f: restore_vs_prefill(f, 2052, repeats)),
+        ("crash_recovery", 2, lambda f: crash_recovery(f, repeats)),
+    )
+    for name, phase_slabs, measure in phases:
+        with spawn.serve(slabs=phase_slabs) as frontend:
+            doc[name] = measure(frontend)
+        write_json_atomic(output, doc)  # a phase's figures survive a later one's failure
     return doc

@@ -27,7 +27,6 @@ from kvmux.client import (
     UnknownOp,
     VersionMismatch,
     WorkerLost,
-    wire,
 )
 from kvmux.client.sync import Session
 
@@ -52,7 +51,7 @@ def raw_call(client: Client, envelope: bytes, body: bytes, timeout: float = 10.0
     replies: queue.SimpleQueue = queue.SimpleQueue()
     client._calls._queues[rid] = replies  # a hand-made request id the client did not mint
     client._post([envelope, body])
-    return wire.unwrap(client._wait(rid, replies, timeout, "raw"))
+    return client._run(client._answer(rid, replies, timeout, "raw"))
 
 
 def test_imports_without_mlx():

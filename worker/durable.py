@@ -106,8 +106,9 @@ def restore(store: Store, engine: Engine, session_id: str) -> tuple[Session, int
     for size in record.replay:
         session.logits = engine.run_chunk(session, tail[at : at + size])
         at += size
-    if session.logits is not None:
-        mx.eval(session.logits)
+    # mx.load maps the file lazily: read it all now, so the restore's time
+    # (reported to the broker) is what it costs, not the next step's.
+    mx.eval(session.logits, [layer.state for layer in session.slab])
     session.history = list(record.history)
     session.pending = list(record.pending)
     session.raw = record.raw

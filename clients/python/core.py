@@ -1,66 +1,112 @@
-"""What the sync and asyncio clients share, written once: the request table
-and reply demultiplexing, the request each public call makes, the session's
-bookkeeping, and a stream's reading logic. The shells (sync.py, aio.py) add
-only their transport (an I/O thread, or zmq.asyncio) and how they wait (a
-`queue.SimpleQueue`, or an `asyncio.Queue`).
+"""What the sync and asyncio clients share, written once: the logic of every
+call (its request, the session's settle-before-next-call, a stream's
+reading, credit and cancel), over calls.py's table of requests in flight.
 
-Where the two differ it is for a reason the event loop imposes: an
-`AsyncSession.generate()` is not a coroutine, so its request goes out on the
-stream's first `__anext__` (the sync one goes out at once); until then the
-async stream's `request_id` is None.
+That logic is written as *steps*: generators that yield a `Wait` whenever
+they need a reply and are sent the reply, or thrown the exception that ended
+the wait (a timeout, a cancelled task, Ctrl-C) to clean up after. A shell
+supplies only its transport and how it waits: sync.py blocks on a
+`queue.SimpleQueue` its I/O thread fills, aio.py awaits an `asyncio.Queue`
+its zmq.asyncio task fills. Each public method is one line that runs steps.
+
+The two differ only where the event loop forces it: `AsyncSession.generate()`
+is not a coroutine, so it can neither drain the previous stream nor send; its
+request goes out on the stream's first `__anext__` (until then the stream's
+`request_id` is None). The sync `generate()` sends at once. Both check the
+session and the client in `generate()`, so a closed one raises there.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
 from typing import Any
 
+from kvmux import paths
 from kvmux import protocol as p
 
 from . import errors, wire
+from .calls import Calls, Steps, Wait
+
+# ------------------------------------------------------------------ client
 
 
-class Calls:
-    """Requests in flight by id, each with the queue its replies go to.
-    A PARTIAL keeps the entry; the last reply (FINAL or ERROR) removes it."""
+class ClientCore:
+    """A client's state and the steps of its calls. A shell sets
+    `_session_class` and `_queue_class`, and supplies `_post` and a `_run`
+    that drives steps to their result."""
 
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-        self._queues: dict[int, Any] = {}
+    _session_class: type[SessionCore]
+    _queue_class: type
 
-    def next_id(self) -> int:
-        return next(self._ids)
+    def __init__(self, endpoint: str | None, timeout: float):
+        self.endpoint = endpoint or paths.default_frontend()
+        self.timeout = timeout
+        self._calls = Calls()
+        self._sessions: dict[str, SessionCore] = {}
+        self._closed = False
 
-    def add(self, replies: Any) -> int:
-        rid = self.next_id()
-        self._queues[rid] = replies
-        return rid
+    def _post(self, parts: list[bytes]) -> None:
+        """Hand frames to the socket, without blocking, from any thread or
+        from a finalizer (a dropped stream's cancel)."""
+        raise NotImplementedError
 
-    def pop(self, rid: int) -> Any:
-        """Forget a request (answered, timed out or unsendable); its queue or None."""
-        return self._queues.pop(rid, None)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.KvmuxError("client is closed")
 
-    def route(self, parts: list[bytes]) -> tuple[Any, wire.Reply] | None:
-        """The queue a reply frame belongs to, with the parsed reply; None
-        when it is unreadable or its request is gone (timed out, cancelled)."""
-        reply = wire.parse(parts)
-        if reply is None:
-            return None
-        queue = self._queues.pop(reply.request_id, None) if reply.last else self._queues.get(reply.request_id)
-        if queue is None:
-            wire.log.debug("reply to unknown request %d dropped (timed out or cancelled)", reply.request_id)
-            return None
-        return queue, reply
+    def _timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
 
+    def _request(self, op: str, session_id: str, body: Any) -> tuple[int, Any]:
+        """Send a request; its replies arrive on the returned queue."""
+        self._check_open()
+        rid = self._calls.next_id()
+        parts = wire.frames(op, rid, session_id, body)  # before listing it: a body may fail to encode
+        replies = self._queue_class()
+        self._calls.add(rid, replies)
+        self._post(parts)
+        return rid, replies
 
-# ----------------------------------------------------- the calls themselves
+    def _send(self, parts_for_id: Callable[[int], list[bytes]]) -> None:
+        """Send a frame whose reply nobody waits for (cancel, credit)."""
+        if not self._closed:
+            self._post(parts_for_id(self._calls.next_id()))
 
+    def _answer(self, rid: int, replies: Any, timeout: float | None, what: str, session_id: str = "") -> Steps:
+        """The reply to a request, unwrapped; the request is forgotten
+        however the wait ends."""
+        try:
+            return wire.unwrap((yield Wait(replies, self._timeout(timeout), what, rid, session_id)))
+        finally:
+            self._calls.pop(rid)
 
-def open_request(system: str | None, timeout: float | None, default_timeout: float, options: dict) -> tuple:
-    """(op, session id, body, wait) of an OPEN: a queued open may wait
-    queue_wait_s on top of the call's timeout."""
-    body = wire.open_body(system, **options)
-    return p.Op.OPEN, "", body, (timeout or default_timeout) + (body.queue_wait_s or 0.0)
+    def _ask(self, op: str, session_id: str, body: Any, timeout: float | None) -> Steps:
+        rid, replies = self._request(op, session_id, body)
+        return (yield from self._answer(rid, replies, timeout, op, session_id))
+
+    def _open(self, system: str | None, timeout: float | None, options: dict) -> Steps:
+        body = wire.open_body(system, **options)
+        # a queued open may wait queue_wait_s on top of the call's timeout
+        timeout = self._timeout(timeout) + (body.queue_wait_s or 0.0)
+        return self._session((yield from self._ask(p.Op.OPEN, "", body, timeout)))
+
+    def _resume(self, session_id: str, timeout: float | None) -> Steps:
+        return self._session((yield from self._ask(p.Op.RESUME, session_id, p.Resume(), timeout)))
+
+    def _session(self, opened: p.SessionOpened) -> Any:
+        session = self._sessions.get(opened.session_id)
+        if session is None:
+            session = self._sessions[opened.session_id] = self._session_class(self, opened)
+        return session
+
+    def _close_sessions(self) -> Steps:
+        """Close this client's sessions (best effort), then refuse new calls."""
+        for session in list(self._sessions.values()):
+            try:
+                yield from session._close(min(self.timeout, 2.0))
+            except errors.KvmuxError:
+                pass
+        self._closed = True
 
 
 def stats_request() -> tuple:
@@ -75,34 +121,22 @@ def drain_request(grace_s: float | None) -> tuple:
     return p.Op.DRAIN, "", p.Drain(grace_s=grace_s)
 
 
-def resume_request(session_id: str) -> tuple:
-    return p.Op.RESUME, session_id, p.Resume()
-
-
 def list_sessions_request() -> tuple:
     return p.Op.SESSIONS, "", p.ListSessions()
 
 
+# ----------------------------------------------------------------- session
+
+
 class SessionCore:
-    """A session's state and the request of each of its calls; the shells'
-    Session/AsyncSession add the waiting."""
+    """A session's state and the steps of its calls."""
 
     def __init__(self, client: Any, opened: p.SessionOpened):
         self.client = client
         self.opened = opened
         self.id = opened.session_id
-        self.reader: StreamCore | None = None  # the last stream, drained before the next call
         self.closed = False
-
-    def check_open(self) -> None:
-        if self.closed:
-            raise errors.SessionNotFound(f"session {self.id} was closed", session_id=self.id)
-
-    def take_reader(self) -> StreamCore | None:
-        """The unfinished stream to drain before the next call, if any."""
-        self.check_open()
-        reader, self.reader = self.reader, None
-        return reader
+        self._reader: StreamReader | None = None  # the last stream, drained before the next call
 
     def detach(self) -> None:
         """Keep the session in the daemon when this client closes (a client's
@@ -110,19 +144,50 @@ class SessionCore:
         by its id, from any client."""
         self.client._sessions.pop(self.id, None)
 
-    def append_request(self, messages: wire.MessagesLike | None, token_ids: list[int] | None) -> tuple:
-        return p.Op.APPEND, self.id, wire.append_body(messages, token_ids)
+    def _check_open(self) -> None:
+        if self.closed:
+            raise errors.SessionNotFound(f"session {self.id} was closed", session_id=self.id)
+        self.client._check_open()
 
-    def cancel_request(self) -> tuple:
-        return p.Op.CANCEL, self.id, p.Cancel()
+    def _generate_body(self, options: dict) -> p.Generate:
+        self._check_open()
+        return wire.generate_body(**options)
 
-    def info_request(self, token_ids: bool) -> tuple:
-        return p.Op.INFO, self.id, p.Info(token_ids=token_ids)
+    def _settle(self) -> Steps:
+        """Cancel and drain the last stream if it is unfinished, so the next
+        call finds the session idle."""
+        self._check_open()
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            try:
+                yield from reader.drain()
+            except errors.KvmuxError:
+                pass  # how an abandoned stream ended is nobody's concern now
 
-    def close_request(self) -> tuple:
+    def _start(self, body: p.Generate, timeout: float | None) -> Steps:
+        """Send a GENERATE; returns its StreamReader."""
+        yield from self._settle()
+        rid, replies = self.client._request(p.Op.GENERATE, self.id, body)
+        self._reader = StreamReader(self.client, rid, self.id, body.credit, replies, timeout)
+        return self._reader
+
+    def _append(self, messages: wire.MessagesLike | None, token_ids: list[int] | None, timeout: float | None) -> Steps:
+        yield from self._settle()
+        return (yield from self.client._ask(p.Op.APPEND, self.id, wire.append_body(messages, token_ids), timeout))
+
+    def _close(self, timeout: float | None) -> Steps:
+        if self.closed:
+            return None
+        yield from self._settle()
         self.closed = True
         self.client._sessions.pop(self.id, None)
-        return p.Op.CLOSE, self.id, p.Close()
+        return (yield from self.client._ask(p.Op.CLOSE, self.id, p.Close(), timeout))
+
+    def _cancel_request(self) -> tuple:
+        return p.Op.CANCEL, self.id, p.Cancel()
+
+    def _info_request(self, token_ids: bool) -> tuple:
+        return p.Op.INFO, self.id, p.Info(token_ids=token_ids)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.id!r}, worker={self.opened.worker_id!r})"
@@ -132,7 +197,10 @@ def chat_options(text: str, options: dict) -> dict:
     return {**options, "messages": [p.ChatMessage(role="user", content=text)]}
 
 
-class StreamCore:
+# ------------------------------------------------------------------ stream
+
+
+class StreamReader:
     """The consuming side of one generate stream. The session keeps it (not
     the user's stream object) so it can drain a stream its user dropped."""
 
@@ -142,15 +210,59 @@ class StreamCore:
         self.replies = replies
         self.timeout = timeout
 
-    def take(self, reply: wire.Reply) -> p.Chunk | None:
-        """The chunk a reply carries (None at the end), granting credit back
-        to the worker as chunks are consumed."""
-        chunk = self.state.take(reply)
-        n = self.state.grant()
+    def next(self) -> Steps:
+        """The next chunk (None at the end), granting credit back as chunks
+        are read. A timeout abandons the stream (nobody drains it); any other
+        interruption cancels it and leaves the rest for the session to drain."""
+        state = self.state
+        if state.done:
+            return None
+        wait = Wait(self.replies, self.client._timeout(self.timeout), "generate", state.request_id, state.session_id)
+        try:
+            reply = yield wait
+        except errors.Timeout:
+            state.done = True
+            self.client._calls.pop(state.request_id)
+            self.cancel()
+            raise
+        except BaseException:
+            self.cancel()
+            raise
+        chunk = state.take(reply)
+        n = state.grant()
         if n:
-            self.client._send(lambda rid: self.state.credit_frames(n, rid))
+            self.client._send(lambda rid: state.credit_frames(n, rid))
         return chunk
+
+    def drain(self) -> Steps:
+        """Cancel the generation if it still runs and read it to its end."""
+        if not self.state.done:
+            self.cancel()
+        while (yield from self.next()) is not None:
+            pass
 
     def cancel(self) -> None:
         if not self.state.cancel_sent:
             self.client._send(self.state.cancel_frames)
+
+
+class StreamBase:
+    """What Stream and AsyncStream share."""
+
+    _reader: StreamReader | None = None  # an AsyncStream's, until it starts
+
+    @property
+    def result(self) -> p.GenerateResult | None:
+        """The final `GenerateResult`, once the stream has ended."""
+        return self._reader.state.result if self._reader is not None else None
+
+    @property
+    def request_id(self) -> int | None:
+        """The GENERATE's request id (an AsyncStream's: None until it starts)."""
+        return self._reader.state.request_id if self._reader is not None else None
+
+    def __del__(self) -> None:
+        # Dropped unfinished (a `break`): tell the worker to stop now; the
+        # session drains what is left before its next call.
+        if self._reader is not None and not self._reader.state.done:
+            self._reader.cancel()

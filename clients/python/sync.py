@@ -1,4 +1,4 @@
-"""The blocking client: core.py's logic over a background I/O thread.
+"""The blocking client: core.py's steps run over a background I/O thread.
 
 One DEALER socket per `Client`, owned by that thread: callers queue frames
 for it and wait on a per-request queue it fills, so replies of many sessions
@@ -17,15 +17,94 @@ from typing import Any
 
 import zmq
 
-from kvmux import paths
 from kvmux import protocol as p
 
-from . import core, errors, wire
+from . import calls, core, errors, wire
 
 
-class Client:
+class Stream(core.StreamBase):
+    """Iterator of `Chunk`s (`.text`, `.token_ids`); after it is exhausted,
+    `.result` is the final `GenerateResult`. Breaking out of the loop (once
+    the stream is dropped) or `close()` cancels the generation."""
+
+    def __init__(self, reader: core.StreamReader):
+        self._reader = reader
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> p.Chunk:
+        chunk = self._reader.client._run(self._reader.next())
+        if chunk is None:
+            raise StopIteration
+        return chunk
+
+    def close(self) -> None:
+        """Cancel the generation if it still runs and wait for its end, so the
+        session is ready for the next turn."""
+        self._reader.client._run(self._reader.drain())
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session(core.SessionCore):
+    """A chat session. Its history lives in the daemon (in a slab, or in the
+    session store while idle) until it is closed; use it as a context manager
+    to close it on exit. At most one append/generate runs at a time; starting
+    one while an earlier stream is unfinished cancels and drains that
+    stream."""
+
+    client: Client
+
+    def chat(self, text: str, *, timeout: float | None = None, **options: Any) -> Stream:
+        """Append a user message and generate the reply (one round trip)."""
+        return self.generate(timeout=timeout, **core.chat_options(text, options))
+
+    def generate(self, *, timeout: float | None = None, **options: Any) -> Stream:
+        """Stream a generation. Options: max_tokens, temperature, top_p, top_k,
+        seed, stop, messages (appended first), credit (0 = no flow control)."""
+        return Stream(self.client._run(self._start(self._generate_body(options), timeout)))
+
+    def append(
+        self,
+        messages: wire.MessagesLike | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> p.Appended:
+        """Append chat messages (rendered with the chat template) or raw token ids."""
+        return self.client._run(self._append(messages, token_ids, timeout))
+
+    def cancel(self, *, timeout: float | None = None) -> p.Ack:
+        """Cancel the running append/generate; the stream ends with stop_reason
+        "cancelled" and the session stays usable."""
+        return self.client._call(*self._cancel_request(), timeout)
+
+    def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
+        return self.client._call(*self._info_request(token_ids), timeout)
+
+    def close(self, *, timeout: float | None = None) -> p.Closed | None:
+        """Free the session, its slab and its stored record (None if it was
+        already closed here)."""
+        return self.client._run(self._close(timeout))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client(core.ClientCore):
     """Connection to a kvmux broker. `timeout` (seconds) bounds every call;
     for a stream it bounds the wait for each frame."""
+
+    _session_class = Session
+    _queue_class = queue.SimpleQueue
 
     def __init__(
         self,
@@ -34,12 +113,8 @@ class Client:
         timeout: float = wire.DEFAULT_TIMEOUT_S,
         context: zmq.Context | None = None,
     ):
-        self.endpoint = endpoint or paths.default_frontend()
-        self.timeout = timeout
-        self._calls = core.Calls()
+        super().__init__(endpoint, timeout)
         self._outbox: collections.deque = collections.deque()
-        self._sessions: dict[str, Session] = {}
-        self._closed = False
         # A pipe wakes the I/O thread: writing to it is safe from any thread,
         # even from a finalizer, unlike a ZeroMQ socket.
         self._wake_r, self._wake_w = os.pipe()
@@ -57,13 +132,12 @@ class Client:
         """Open a session (takes a slab). Options: sink, window, sampling
         defaults (max_tokens, temperature, top_p, top_k, seed, stop, or
         `sampling=`), admission, queue_wait_s, client_name."""
-        *request, wait = core.open_request(system, timeout, self.timeout, options)
-        return self._session(self._call(*request, wait))
+        return self._run(self._open(system, timeout, options))
 
     def resume_session(self, session_id: str, *, timeout: float | None = None) -> Session:
         """A session object for an existing session id (from any connection);
         raises SessionNotFound or SessionExpired."""
-        return self._session(self._call(*core.resume_request(session_id), timeout))
+        return self._run(self._resume(session_id, timeout))
 
     def list_sessions(self, *, timeout: float | None = None) -> list[p.SessionSummary]:
         """Every session the daemon keeps, live and hibernated."""
@@ -83,12 +157,7 @@ class Client:
         """Close this client's open sessions (best effort), then the socket."""
         if self._closed:
             return
-        for session in list(self._sessions.values()):
-            try:
-                session.close(timeout=min(self.timeout, 2.0))
-            except errors.KvmuxError:
-                pass
-        self._closed = True
+        self._run(self._close_sessions())
         self._post(None)
         self._thread.join()
         os.close(self._wake_r)
@@ -102,45 +171,30 @@ class Client:
 
     # ------------------------------------------------------------- internals
 
-    def _session(self, opened: p.SessionOpened) -> Session:
-        session = self._sessions.get(opened.session_id)
-        if session is None:
-            session = self._sessions[opened.session_id] = Session(self, opened)
-        return session
+    def _run(self, steps: calls.Steps) -> Any:
+        """Run steps to their result, blocking for each reply they wait for."""
+        try:
+            wait = next(steps)
+            while True:
+                try:
+                    outcome = wait.replies.get(timeout=wait.timeout)
+                except queue.Empty:
+                    outcome = wait.expired()
+                except BaseException as exc:  # Ctrl-C: the steps clean up and re-raise it
+                    outcome = exc
+                wait = calls.resume(steps, outcome)
+        except StopIteration as stop:
+            return stop.value
+
+    def _call(self, op: str, session_id: str, body: Any, timeout: float | None) -> Any:
+        return self._run(self._ask(op, session_id, body, timeout))
 
     def _post(self, parts: list[bytes] | None) -> None:
-        self._outbox.append(parts)
+        self._outbox.append(parts)  # None stops the I/O thread
         try:
             os.write(self._wake_w, b"\0")
         except OSError:  # pipe full (the thread wakes anyway), or closed under a late finalizer
             pass
-
-    def _request(self, op: str, session_id: str, body: Any) -> tuple[int, queue.SimpleQueue]:
-        if self._closed:
-            raise errors.KvmuxError("client is closed")
-        replies: queue.SimpleQueue = queue.SimpleQueue()
-        rid = self._calls.add(replies)
-        self._post(wire.frames(op, rid, session_id, body))
-        return rid, replies
-
-    def _send(self, parts_for_id) -> None:
-        """Send a frame that expects no reply we wait for (cancel, credit)."""
-        if not self._closed:
-            self._post(parts_for_id(self._calls.next_id()))
-
-    def _wait(self, rid: int, replies: queue.SimpleQueue, timeout: float | None, what: str, session_id: str = ""):
-        timeout = self.timeout if timeout is None else timeout
-        try:
-            return replies.get(timeout=timeout)
-        except queue.Empty:
-            raise wire.timeout_error(what, timeout, rid, session_id) from None
-
-    def _call(self, op: str, session_id: str, body: Any, timeout: float | None) -> Any:
-        rid, replies = self._request(op, session_id, body)
-        try:
-            return wire.unwrap(self._wait(rid, replies, timeout, op, session_id))
-        finally:
-            self._calls.pop(rid)
 
     def _io(self) -> None:
         poller = zmq.Poller()
@@ -167,7 +221,7 @@ class Client:
     def _transmit(self, parts: list[bytes]) -> None:
         try:
             self._socket.send_multipart(parts, flags=zmq.NOBLOCK)
-        except zmq.Again:
+        except zmq.Again:  # this thread must not block: fail the request now, not at its timeout
             rid = p.decode_envelope(parts[0]).request_id
             replies = self._calls.pop(rid)
             if replies is not None:
@@ -180,137 +234,4 @@ class Client:
                 parts = self._socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            routed = self._calls.route(parts)
-            if routed is not None:
-                replies, reply = routed
-                replies.put(reply)
-
-
-class Session(core.SessionCore):
-    """A chat session. Its history lives in the daemon (in a slab, or in the
-    session store while idle) until it is closed; use it as a context manager
-    to close it on exit. At most one append/generate runs at a time; starting
-    one while an earlier stream is unfinished cancels and drains that
-    stream."""
-
-    client: Client
-
-    def chat(self, text: str, *, timeout: float | None = None, **options: Any) -> Stream:
-        """Append a user message and generate the reply (one round trip)."""
-        return self.generate(timeout=timeout, **core.chat_options(text, options))
-
-    def generate(self, *, timeout: float | None = None, **options: Any) -> Stream:
-        """Stream a generation. Options: max_tokens, temperature, top_p, top_k,
-        seed, stop, messages (appended first), credit (0 = no flow control)."""
-        self._settle()
-        body = wire.generate_body(**options)
-        rid, replies = self.client._request(p.Op.GENERATE, self.id, body)
-        self.reader = core.StreamCore(self.client, rid, self.id, body.credit, replies, timeout)
-        return Stream(self.reader)
-
-    def append(
-        self,
-        messages: wire.MessagesLike | None = None,
-        *,
-        token_ids: list[int] | None = None,
-        timeout: float | None = None,
-    ) -> p.Appended:
-        """Append chat messages (rendered with the chat template) or raw token ids."""
-        self._settle()
-        return self.client._call(*self.append_request(messages, token_ids), timeout)
-
-    def cancel(self, *, timeout: float | None = None) -> p.Ack:
-        """Cancel the running append/generate; the stream ends with stop_reason
-        "cancelled" and the session stays usable."""
-        return self.client._call(*self.cancel_request(), timeout)
-
-    def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
-        return self.client._call(*self.info_request(token_ids), timeout)
-
-    def close(self, *, timeout: float | None = None) -> p.Closed | None:
-        """Free the session, its slab and its stored record (None if it was
-        already closed here)."""
-        if self.closed:
-            return None
-        self._settle()
-        return self.client._call(*self.close_request(), timeout)
-
-    def _settle(self) -> None:
-        reader = self.take_reader()
-        if reader is not None:
-            try:
-                _drain(reader)
-            except errors.KvmuxError:
-                pass  # how an abandoned stream ended is nobody's concern now
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _next(reader: core.StreamCore) -> p.Chunk | None:
-    state = reader.state
-    if state.done:
-        return None
-    try:
-        reply = reader.client._wait(state.request_id, reader.replies, reader.timeout, "generate", state.session_id)
-    except errors.Timeout:
-        state.done = True
-        reader.client._calls.pop(state.request_id)
-        reader.cancel()
-        raise
-    return reader.take(reply)
-
-
-def _drain(reader: core.StreamCore) -> None:
-    if reader.state.done:
-        return
-    reader.cancel()
-    while _next(reader) is not None:
-        pass
-
-
-class Stream:
-    """Iterator of `Chunk`s (`.text`, `.token_ids`); after it is exhausted,
-    `.result` is the final `GenerateResult`. Breaking out of the loop (once
-    the stream is dropped) or `close()` cancels the generation."""
-
-    def __init__(self, reader: core.StreamCore):
-        self._reader = reader
-
-    @property
-    def result(self) -> p.GenerateResult | None:
-        return self._reader.state.result
-
-    @property
-    def request_id(self) -> int | None:
-        return self._reader.state.request_id
-
-    def __iter__(self) -> Stream:
-        return self
-
-    def __next__(self) -> p.Chunk:
-        chunk = _next(self._reader)
-        if chunk is None:
-            raise StopIteration
-        return chunk
-
-    def close(self) -> None:
-        """Cancel the generation if it still runs and wait for its end, so the
-        session is ready for the next turn."""
-        _drain(self._reader)
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Dropped unfinished (a `break`): tell the worker to stop now; the
-        # session drains what is left before its next operation.
-        reader = getattr(self, "_reader", None)
-        if reader is not None and not reader.state.done:
-            reader.cancel()
+            self._calls.deliver(parts)

@@ -1,6 +1,6 @@
-"""What the sync and asyncio clients share: request bodies built from keyword
-options, reply frames parsed and demultiplexed by request id, and the
-bookkeeping of one generate stream (chunks, final result, credit)."""
+"""The client's pure wire helpers: request bodies built from keyword options,
+reply frames parsed and unwrapped, and the bookkeeping of one generate stream
+(chunks, final result, credit). No sockets, no waiting: see core.py."""
 
 from __future__ import annotations
 
