@@ -31,7 +31,9 @@ def serve(
     model: str | None = typer.Option(
         None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."
     ),
-    admission: str | None = typer.Option(None, help="When no slab is free: reject | queue (default: reject)."),
+    admission: str | None = typer.Option(
+        None, help="When every slab is busy running a request: reject | queue (default: reject)."
+    ),
     queue_depth: int | None = typer.Option(None, help="Most opens waiting in the queue (default: 64)."),
     queue_wait_s: float | None = typer.Option(None, help="Longest an open waits in the queue (default: 30)."),
     client_quota: int | None = typer.Option(
