@@ -62,7 +62,8 @@ log = logs.get("broker")
 
 _BATCH = 256  # frames read from one socket per loop turn, so neither starves
 _POLL_MS = 50
-_POLL_BACKLOG_MS = 5  # while some client's backlog waits to be flushed
+_POLL_BACKLOG_MS = 5
+_SWEEP_S = 1.0  # how often expiry and idle hibernation look at every session  # while some client's backlog waits to be flushed
 _EMPTY_MAP = encode({})
 _STREAMING = (Op.APPEND, Op.GENERATE)
 _RESTORE_SAMPLES = 4096  # restore times kept for the p50/p99 in stats
@@ -108,7 +109,7 @@ class Broker(SessionLifecycle):
         self.drain: _Drain | None = None
         self._drain_request: float | None = None  # set from a signal handler
         self._own_ids = itertools.count(1)
-        self._next_heartbeat = 0.0
+        self._next_heartbeat = self._next_sweep = 0.0
         self.frontend_endpoint = self.backend_endpoint = ""
         self.store = Store(cfg.state_dir)
         self.store_id = store_id(cfg.state_dir)
@@ -202,13 +203,16 @@ class Broker(SessionLifecycle):
             else:
                 why = f"no worker registered within {pending.deadline - pending.enqueued:g}s"
                 self._refuse(pending.route, pending.request_id, OverloadReason.NO_WORKER, why, pending.session_id)
-        for session in self.admission.idle(self.registry, now):
+        sweep = now >= self._next_sweep  # scans of every session: once a second, not every tick
+        if sweep:
+            self._next_sweep = now + _SWEEP_S
+        for session in self.admission.idle(self.registry, now) if sweep else ():
             self.admission.expired += 1
             log.info("session_expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
             self._end_session(session, ErrorCode.SESSION_EXPIRED)
         while (admitted := self.admission.next_admitted(self.registry, now)) is not None:
             self._admit(*admitted)
-        self._hibernate(now)
+        self._hibernate(now, sweep)
         self.outbox.flush()
         if self.on_tick is not None and not self.on_tick():
             self.exit_code = 1  # the local workers keep crashing: let the service manager see it

@@ -185,9 +185,9 @@ class SessionLifecycle:
         except ProtocolError as exc:
             self._error(frame.route, frame.env.request_id, frame.env.session_id, exc.code, exc.message)
 
-    def _hibernate(self, now: float) -> None:
+    def _hibernate(self, now: float, sweep: bool) -> None:
         """Free slabs for what waits in the queue, and hibernate sessions
-        idle past `hibernate_after_s`: least recently used first."""
+        idle past `hibernate_after_s` (on a `sweep` tick): least recently used first."""
         sessions = self.registry.sessions.values()
         in_flight = sum(1 for s in sessions if s.hibernating)
         wanted = [p for p in self.admission.queue if self.registry.place(p.store) is None]
@@ -195,7 +195,7 @@ class SessionLifecycle:
             for session in self.registry.idle_live(wanted[0].store)[: len(wanted) - in_flight]:
                 self._send_hibernate(session)
         limit = self.cfg.hibernate_after_s
-        if limit and self.drain is None:
+        if sweep and limit and self.drain is None:
             for session in self.registry.idle_live():
                 if now - session.last_active < limit:
                     break  # least recently used first: the rest are fresher

@@ -135,6 +135,13 @@ class Scheduler:
         elif not job.saved:  # cancelled or failed: the record still says what the slab holds
             self.save(job.session)
 
+    def complete(self, job: Job, body) -> None:
+        """A job's final reply, sent once the session's record holds what
+        the job did: the client never hears of a turn a crash could lose."""
+        job.saved = True
+        self.save(job.session)
+        self.send(job.route, Op.FINAL, job.request_id, job.session.id, body)
+
     def save(self, session: Session, *, snapshot: bool = False) -> int:
         """Write the session's durable record: after this, a crash of this
         worker loses nothing the session has done."""
@@ -301,13 +308,8 @@ class Scheduler:
                         ErrorCode.CANCELLED,
                         f"append cancelled; {len(session.pending)} tokens stay queued for the next call",
                     )
-            job.saved = True
-            self.save(session)  # durable before the client hears it is done
-            self.send(
-                route,
-                Op.FINAL,
-                env.request_id,
-                session.id,
+            self.complete(
+                job,
                 p.Appended(
                     new_tokens=new_tokens,
                     history_tokens=len(session.history),
@@ -365,13 +367,8 @@ class Scheduler:
                 session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
                 if reason is not StopReason.CANCELLED or completion:
                     yield from self.engine.prefill(session)
-            job.saved = True
-            self.save(session)  # durable before the client hears it is done
-            self.send(
-                route,
-                Op.FINAL,
-                env.request_id,
-                session.id,
+            self.complete(
+                job,
                 p.GenerateResult(
                     stop_reason=reason,
                     prompt_tokens=prompt_tokens,
