@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+SESSION_PHASES = ("hibernating", "resident", "restore_vs_prefill", "crash_recovery")  # bench sessions, in run order
+
 bench_app = typer.Typer(
     help="Soak and performance benches; each writes a JSON report and a PNG plot.", no_args_is_help=True
 )
@@ -159,7 +161,8 @@ def sessions(
     slabs: int = typer.Option(4, help="Slabs of the one worker (sessions beyond hibernate)."),
     turns: int = typer.Option(3, help="Turns per session."),
     max_tokens: int = typer.Option(8, help="Tokens per reply."),
-    repeats: int = typer.Option(3, help="Restore vs re-prefill pairs of a full default window."),
+    repeats: int = typer.Option(3, help="Restore vs re-prefill pairs of a full default window, and worker kills."),
+    phases: str = typer.Option(",".join(SESSION_PHASES), help="Phases to run, comma-separated."),
     output: Path = typer.Option(Path("sessions.json"), help="Report path."),
 ) -> None:
     """Many sessions over few slabs: per-turn latency split into restore and turn, restore vs re-prefill, bytes per session."""
@@ -167,10 +170,14 @@ def sessions(
 
     from .sessions import run
 
+    chosen = tuple(p.strip() for p in phases.split(",") if p.strip())
+    if unknown := sorted(set(chosen) - set(SESSION_PHASES)):
+        raise typer.BadParameter(f"unknown phase {', '.join(unknown)} (phases: {', '.join(SESSION_PHASES)})")
     logs.configure()
-    doc = run(output, sessions=sessions, slabs=slabs, turns=turns, max_tokens=max_tokens, repeats=repeats)
-    keys = ("hibernating", "resident", "restore_vs_prefill", "crash_recovery")
-    typer.echo(json.dumps({k: doc[k] for k in keys}, indent=1))
+    doc = run(
+        output, sessions=sessions, slabs=slabs, turns=turns, max_tokens=max_tokens, repeats=repeats, phases=chosen
+    )
+    typer.echo(json.dumps({k: doc[k] for k in chosen}, indent=1))
     typer.echo(f"report: {output}")
 
 

@@ -135,7 +135,9 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def run(output: Path, *, sessions: int, slabs: int, turns: int, max_tokens: int, repeats: int) -> dict:
+def run(
+    output: Path, *, sessions: int, slabs: int, turns: int, max_tokens: int, repeats: int, phases: tuple[str, ...]
+) -> dict:
     doc = {
         "bench": "sessions",
         "created": now_iso(),
@@ -147,9 +149,10 @@ def run(output: Path, *, sessions: int, slabs: int, turns: int, max_tokens: int,
             "max_tokens": max_tokens,
             "repeats": repeats,
             "window": "serve default (2048 + sink 4)",
+            "phases": list(phases),
         },
     }
-    phases = (
+    measures = (
         (
             "hibernating",
             slabs,
@@ -159,7 +162,9 @@ def run(output: Path, *, sessions: int, slabs: int, turns: int, max_tokens: int,
         ("restore_vs_prefill", 1, lambda f: restore_vs_prefill(f, 2052, repeats)),
         ("crash_recovery", 2, lambda f: crash_recovery(f, repeats)),
     )
-    for name, phase_slabs, measure in phases:
+    for name, phase_slabs, measure in measures:
+        if name not in phases:
+            continue
         with spawn.serve(slabs=phase_slabs) as frontend:
             doc[name] = measure(frontend)
         write_json_atomic(output, doc)  # a phase's figures survive a later one's failure

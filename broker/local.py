@@ -1,8 +1,8 @@
 """The worker processes `kvmux serve --workers N` starts and supervises.
 
-A worker that exits abnormally is restarted with backoff (1 s doubling to
-60 s); its sessions wait in the session store and come back on their next
-call. After CRASH_LIMIT crashes within CRASH_WINDOW_S the daemon gives up
+A worker that exits abnormally is restarted at once the first time, then
+with backoff (1 s doubling to 60 s) while it keeps crashing; its sessions
+wait in the session store and come back on their next call. After CRASH_LIMIT crashes within CRASH_WINDOW_S the daemon gives up
 and exits non-zero, so launchd's KeepAlive (or systemd) restarts it and the
 operator sees it. On Linux each worker gets SIGTERM if the broker process
 dies, so none is left orphaned."""
@@ -18,12 +18,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvmux import logs
+from kvmux.worker.preload import openblas_path
 
 from .config import BrokerConfig
 
 log = logs.get("broker")
 
-BACKOFF_S = (1.0, 60.0)  # first restart delay, and the most it doubles to
+BACKOFF_S = (1.0, 60.0)  # delay after a second crash in the window, and the most it doubles to
 CRASH_LIMIT = 5
 CRASH_WINDOW_S = 300.0
 
@@ -43,7 +44,6 @@ class _Slot:
     index: int
     proc: subprocess.Popen | None = None
     restart_at: float | None = None
-    backoff_s: float = BACKOFF_S[0]
     crashes: deque[float] = field(default_factory=deque)
 
 
@@ -64,9 +64,13 @@ class LocalWorkers:
 
     def env(self) -> dict[str, str]:
         """Each worker's BLAS gets its share of the cores: N pools of one
-        thread per core would oversubscribe the machine N times."""
+        thread per core would oversubscribe the machine N times. OpenBLAS is
+        preloaded here so the worker need not re-execute itself to get it."""
         env = dict(os.environ)
         env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, self.cfg.workers))))
+        lib = openblas_path()
+        if lib and not env.get("KVMUX_NO_OPENBLAS") and lib not in env.get("LD_PRELOAD", ""):
+            env["LD_PRELOAD"] = " ".join(filter(None, [lib, env.get("LD_PRELOAD")]))
         return env
 
     def start(self, backend: str) -> None:
@@ -101,9 +105,13 @@ class LocalWorkers:
                     crashes = len(slot.crashes)
                     log.error("local_worker_crash_loop", index=slot.index, returncode=code, crashes=crashes)
                     return False
-                slot.restart_at = now + slot.backoff_s
-                log.error("local_worker_exited", index=slot.index, returncode=code, restart_in_s=slot.backoff_s)
-                slot.backoff_s = min(BACKOFF_S[1], slot.backoff_s * 2)
+                # Its sessions wait for it: restart at once after an odd crash,
+                # back off only while it keeps crashing.
+                delay = (
+                    0.0 if len(slot.crashes) == 1 else min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (len(slot.crashes) - 2))
+                )
+                slot.restart_at = now + delay
+                log.error("local_worker_exited", index=slot.index, returncode=code, restart_in_s=delay)
             if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
                 log.warning("local_worker_restart", index=slot.index, crashes=len(slot.crashes))
                 self._spawn(slot)

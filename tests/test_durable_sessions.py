@@ -110,8 +110,8 @@ def test_worker_killed_mid_generation_restarts_and_resumes(tmp_path):
         with pytest.raises(WorkerLost):
             for _ in stream:
                 pass
-        # The goal is 10 s (backoff 1 s + a model load: ~5 s on an idle
-        # 2-core machine, measured in the closing note); the bound here leaves
+        # The goal is 10 s (a worker start, ~4 s on an idle 2-core
+        # machine: `kvmux bench sessions` measures it); the bound here leaves
         # room for a CI machine loaded by other tests.
         deadline = killed + 30
         while not (stats := client.stats()).workers or stats.workers[0].pid == pid:

@@ -1,7 +1,7 @@
 """Model loading: a llama-architecture GGUF file (the embedded default) or a
 local mlx-lm model directory, never a hub download.
 
-On a CPU-only MLX the weights are dequantized and cast to float32: MLX's
+On a CPU-only MLX the weights are dequantized to float32: MLX's
 quantized CPU kernels are ~2x slower at decode and ~25x slower at prefill
 there, and its float16 CPU matmuls several times slower than float32. Where
 MLX has a GPU the quantized weights are kept.
@@ -104,9 +104,20 @@ def tokenizer_cache_dir() -> Path:
     return Path(base) / "kvmux" / "tokenizers"
 
 
+def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
+    """GGUF's own dequantization, `q * scale + min` in float32 (as llama.cpp
+    computes it). Unpacking with shifts and masks is 3x faster on CPU than
+    `mx.dequantize`, which also rounds to the scales' float16 first."""
+    if 32 % bits:
+        return mx.dequantize(weight, scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits).astype(mx.float32)
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    q = ((weight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*weight.shape[:-1], -1, GGUF_GROUP_SIZE)
+    w = q.astype(mx.float32) * scales[..., None].astype(mx.float32) + biases[..., None].astype(mx.float32)
+    return w.reshape(*weight.shape[:-1], -1)
+
+
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
     from mlx_lm.models import llama
-    from mlx_lm.utils import dequantize_model
 
     weights, meta = mx.load(str(path), return_metadata=True)
     arch = meta.get("general.architecture")
@@ -136,20 +147,23 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
         for name in weights
         if name.endswith(".scales")
     }
-    if bits:
+    if bits and keep_quantized:
         nn.quantize(
             model,
             class_predicate=lambda p, _m: {"group_size": GGUF_GROUP_SIZE, "bits": bits[p]} if p in bits else False,
         )
+    elif bits:
+        for prefix, b in bits.items():
+            q = (weights.pop(f"{prefix}.{part}") for part in ("weight", "scales", "biases"))
+            weights[f"{prefix}.weight"] = _dequantize_float32(*q, bits=b)
     model.load_weights(list(weights.items()), strict=True)
-    if bits and not keep_quantized:
-        model = dequantize_model(model)
     return model, bool(bits) and keep_quantized
 
 
 def _to_cpu_float32(model: nn.Module) -> nn.Module:
-    """Dequantized weights come out in the scales' dtype (float16), and MLX's
-    CPU matmuls in float16 or bfloat16 are several times slower than float32."""
+    """Dequantized weights of an mlx-lm directory come out in the scales'
+    dtype (float16), and MLX's CPU matmuls in float16 or bfloat16 are several
+    times slower than float32."""
     model.set_dtype(mx.float32)
     return model
 
