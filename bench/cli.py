@@ -182,6 +182,23 @@ def sessions(
 
 
 @bench_app.command()
+def curve(
+    n: int = typer.Option(1000, help="Round trips per block, per path and transport."),
+    blocks: int = typer.Option(5, help="Blocks, alternating plain and CURVE."),
+    output: Path = typer.Option(Path("curve.json"), help="Report path."),
+) -> None:
+    """What CURVE costs: ping and info round trips, plain tcp vs CURVE, side by side."""
+    from kvmux import logs
+
+    from .curve import run
+
+    logs.configure()
+    doc = run(output, n=n, blocks=blocks)
+    typer.echo(json.dumps({k: doc[k] for k in ("results", "ratio_curve_to_plain")}, indent=1))
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
 def clients(
     info_calls: int = typer.Option(500, help="Session-info round trips per client and transport."),
     chats: int = typer.Option(5, help="Short chats timed to their first token."),

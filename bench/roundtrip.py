@@ -16,24 +16,28 @@ from collections.abc import Callable
 
 import zmq
 
+from kvmux import keys
 from kvmux import protocol as p
 
 from .report import percentile
 
 Frames = Callable[[int], list[bytes]]
+Curve = tuple[str, str]  # the broker's public key and our secret key (files or z85)
 
 
-def _dealer(endpoint: str) -> zmq.Socket:
+def _dealer(endpoint: str, curve: Curve | None = None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)  # a lost reply is an error, not a hang
+    if curve is not None:
+        keys.secure_client(sock, *curve)
     sock.connect(endpoint)
     return sock
 
 
-def round_trips(endpoint: str, frames: Frames, n: int = 2000, warmup: int = 200) -> dict:
+def round_trips(endpoint: str, frames: Frames, n: int = 2000, warmup: int = 200, curve: Curve | None = None) -> dict:
     """p50/p99 of one-at-a-time round trips (microseconds)."""
-    sock = _dealer(endpoint)
+    sock = _dealer(endpoint, curve)
     try:
         samples = []
         for i in range(warmup + n):
@@ -73,9 +77,9 @@ def ping_frames(rid: int) -> list[bytes]:
     return [p.envelope(p.Op.PING, rid), p.encode(p.Ping())]
 
 
-def open_raw_session(endpoint: str, window: int = 64) -> str:
+def open_raw_session(endpoint: str, window: int = 64, curve: Curve | None = None) -> str:
     """Open a session on a raw socket and return its id (to INFO it)."""
-    sock = _dealer(endpoint)
+    sock = _dealer(endpoint, curve)
     try:
         sock.send_multipart([p.envelope(p.Op.OPEN, 1), p.encode(p.OpenSession(window=window))])
         _env, body = sock.recv_multipart()
@@ -87,8 +91,8 @@ def open_raw_session(endpoint: str, window: int = 64) -> str:
     return reply.session_id
 
 
-def close_raw_session(endpoint: str, session_id: str) -> None:
-    sock = _dealer(endpoint)
+def close_raw_session(endpoint: str, session_id: str, curve: Curve | None = None) -> None:
+    sock = _dealer(endpoint, curve)
     try:
         sock.send_multipart([p.envelope(p.Op.CLOSE, 1, session_id), p.encode(p.Close())])
         sock.recv_multipart()

@@ -41,14 +41,16 @@ def serve(
         frontend, backend = f"ipc://{tmp}/f.ipc", f"ipc://{tmp}/b.ipc"
     else:
         frontend, backend = tcp_endpoint(), tcp_endpoint()
+    admin = f"ipc://{tmp}/a.ipc"  # its own: the default one belongs to the user's daemon
     cmd = [sys.executable, "-m", "kvmux.cli", "serve", "--frontend", frontend, "--backend", backend]
+    cmd += ["--admin-endpoint", admin]
     cmd += ["--workers", str(workers), "--slabs", str(slabs), "--state-dir", str(tmp / "state")]
     cmd += (["--model", model] if model else []) + list(serve_args)
     log_path = tmp / "serve.log"  # its tail goes into the error if the daemon fails to start
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_ready(proc, frontend, workers, log_path)
+        _wait_ready(proc, admin, workers, log_path)
         yield frontend
     finally:
         if proc.poll() is None:
@@ -61,9 +63,9 @@ def serve(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _wait_ready(proc: subprocess.Popen, frontend: str, workers: int, log_path: Path) -> None:
+def _wait_ready(proc: subprocess.Popen, admin: str, workers: int, log_path: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
-    with Client(frontend, timeout=1.0) as client:
+    with Client(admin, timeout=1.0) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"kvmux serve exited with {proc.returncode}: {log_path.read_text()[-2000:]}")

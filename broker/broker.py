@@ -1,6 +1,10 @@
-"""The broker: one poll loop over two ROUTER sockets.
+"""The broker: one poll loop over three ROUTER sockets.
 
-Clients (DEALER) talk to the frontend, workers (DEALER) to the backend.
+Clients (DEALER) talk to the frontend, workers (DEALER) to the backend, and
+the operator's tools to the admin endpoint (ipc in the private runtime dir),
+where every op is allowed; on the frontend, ops that change the daemon need
+an admin key (broker/auth.py), and with CURVE a session answers only the key
+that opened it.
 Requests for a session go to the worker holding its slab; replies go back
 to the client route they came from. Sessions outlive every process: an idle
 one is hibernated to the session store when its slab is needed (or after
@@ -34,6 +38,7 @@ from kvmux.protocol import (
     Cancel,
     Close,
     Disconnect,
+    Endpoint,
     Envelope,
     ErrorCode,
     Op,
@@ -51,11 +56,11 @@ from kvmux.protocol import (
 )
 from kvmux.store import Store, store_id
 
-from . import endpoints
+from . import auth, endpoints
 from .admission import Admission, Pending, Refusal, percentiles
 from .config import BrokerConfig
 from .lifecycle import STORE_BYTES_EVERY_S, SessionLifecycle
-from .outbox import Outbox, Sent
+from .outbox import ADMIN, Outbox, Sent
 from .registry import Registry, Request, Session, Worker
 
 log = logs.get("broker")
@@ -73,11 +78,18 @@ _RESTORE_SAMPLES = 4096  # restore times kept for the p50/p99 in stats
 class ClientFrame:
     """One request from a client, as every op handler receives it."""
 
-    route: bytes  # the client's routing id on the frontend
+    route: bytes  # the client's routing id (outbox.ADMIN marks the admin socket's)
     env: Envelope
     env_raw: bytes  # forwarded untouched to the worker
     body: bytes
     now: float
+    key: str = ""  # the client's CURVE public key (z85); "" without CURVE
+    admin: bool = False  # on the admin endpoint, or an admin key
+
+    def owns(self, session: Session) -> bool:
+        """With CURVE a session answers only the key that opened it (and
+        admins); without, the endpoint's own access rules are the boundary."""
+        return not self.key or self.admin or session.owner == self.key
 
 
 Handler = Callable[["Broker", ClientFrame], None]
@@ -96,21 +108,33 @@ class Broker(SessionLifecycle):
         self.on_tick = on_tick  # watching local worker processes: False = give up
         self.exit_code = 0
         self.ctx = zmq.Context.instance()
+        self.auth = auth.Auth(cfg.curve_secret, cfg.client_keys, cfg.worker_keys, cfg.admin_keys) if cfg.curve else None
+        if self.auth is not None:
+            self.auth.start(self.ctx)  # before any CURVE socket binds
         self.frontend = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
         self.backend = self._router(cfg.backend_hwm)
+        self.admin = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
+        self.curve_frontend = self.auth is not None and cfg.frontend.startswith("tcp://")
+        if self.curve_frontend:
+            self.auth.secure(self.frontend, auth.FRONTEND)
+        if self.auth is not None and cfg.backend.startswith("tcp://"):
+            self.auth.secure(self.backend, auth.BACKEND)
         # A worker re-registering reconnects under the same routing id: let
         # the new connection take it over from the dead one.
         self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.registry = Registry()
         self.admission = Admission(cfg)
-        self.outbox = Outbox(self.frontend, self.backend, cfg.client_backlog, self._client_gone, self._overrun)
+        self.outbox = Outbox(
+            self.frontend, self.admin, self.backend, cfg.client_backlog, self._client_gone, self._overrun
+        )
         self.started = time.monotonic()
         self.frames_forwarded = 0
         self.drain: _Drain | None = None
         self._drain_request: float | None = None  # set from a signal handler
         self._own_ids = itertools.count(1)
         self._next_heartbeat = self._next_sweep = 0.0
-        self.frontend_endpoint = self.backend_endpoint = ""
+        self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
+        self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
         self.store = Store(cfg.state_dir)
         self.store_id = store_id(cfg.state_dir)
         self.hibernations = self.restores = 0
@@ -128,22 +152,36 @@ class Broker(SessionLifecycle):
         sock.setsockopt(zmq.LINGER, 1000)
         return sock
 
-    def bind(self, frontend: str, backend: str) -> None:
-        for endpoint in (frontend, backend):
+    def bind(self) -> None:
+        cfg = self.cfg
+        for endpoint in (cfg.frontend, cfg.backend, cfg.admin_endpoint):
             endpoints.prepare(endpoint)
-        self.frontend.bind(frontend)
-        self.backend.bind(backend)
+        self.frontend.bind(cfg.frontend)
+        self.backend.bind(cfg.backend)
+        self.admin.bind(cfg.admin_endpoint)
+        endpoints.restrict(cfg.admin_endpoint)
         self.frontend_endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_endpoint = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.admin_endpoint = self.admin.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoints = [
+            Endpoint(name, endpoint, endpoints.protection(endpoint, curve=curve), curve)
+            for name, endpoint, curve in (
+                ("frontend", self.frontend_endpoint, bool(self.frontend.curve_server)),
+                ("backend", self.backend_endpoint, bool(self.backend.curve_server)),
+                ("admin", self.admin_endpoint, False),
+            )
+        ]
         log.info(
-            "listening", frontend=self.frontend_endpoint, backend=self.backend_endpoint, admission=self.cfg.admission
+            "listening", **{e.name: f"{e.endpoint} ({e.protection})" for e in self.endpoints}, admission=cfg.admission
         )
 
     def close(self) -> None:
-        self.frontend.close()
-        self.backend.close()
-        for endpoint in (self.frontend_endpoint, self.backend_endpoint):
+        for sock in (self.frontend, self.backend, self.admin):
+            sock.close()
+        for endpoint in (self.frontend_endpoint, self.backend_endpoint, self.admin_endpoint):
             endpoints.remove(endpoint)
+        if self.auth is not None:
+            self.auth.stop()
 
     # ------------------------------------------------------------ the loop
 
@@ -158,8 +196,8 @@ class Broker(SessionLifecycle):
 
     def run(self) -> int:
         poller = zmq.Poller()
-        poller.register(self.frontend, zmq.POLLIN)
-        poller.register(self.backend, zmq.POLLIN)
+        for sock in (self.frontend, self.backend, self.admin):
+            poller.register(sock, zmq.POLLIN)
         while True:
             events = dict(poller.poll(_POLL_BACKLOG_MS if self.outbox.backlog else _POLL_MS))
             if self._drain_request is not None:  # a signal came during the poll: before any frame
@@ -168,16 +206,18 @@ class Broker(SessionLifecycle):
             if self.backend in events:
                 self._read(self.backend, self._on_worker_frames)
             if self.frontend in events:
-                self._read(self.frontend, self._on_client_frames)
+                self._read(self.frontend, self._on_frontend_frames, copy=not self.curve_frontend)
+            if self.admin in events:
+                self._read(self.admin, self._on_admin_frames)
             if self._tick(time.monotonic()):
                 break
         self.outbox.flush()
         return self.exit_code
 
-    def _read(self, sock: zmq.Socket, handle: Callable[[list[bytes], float], None]) -> None:
+    def _read(self, sock: zmq.Socket, handle: Callable[[list, float], None], copy: bool = True) -> None:
         for _ in range(_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             try:
@@ -214,6 +254,10 @@ class Broker(SessionLifecycle):
             self._admit(*admitted)
         self._hibernate(now, sweep)
         self.outbox.flush()
+        if self.auth is not None and not self.auth.alive():
+            log.error("zap_handler_died")  # libzmq refuses every CURVE peer now: let the service manager restart us
+            self.exit_code = 1
+            return True
         if self.on_tick is not None and not self.on_tick():
             self.exit_code = 1  # the local workers keep crashing: let the service manager see it
             return True
@@ -221,7 +265,19 @@ class Broker(SessionLifecycle):
 
     # ------------------------------------------------------------- clients
 
-    def _on_client_frames(self, frames: list[bytes], now: float) -> None:
+    def _on_frontend_frames(self, frames: list, now: float) -> None:
+        key = ""
+        if self.curve_frontend:  # zmq.Frame parts: the ZAP handler's User-Id is the client's public key
+            key = _user_id(frames[-1])
+            frames = [f.bytes for f in frames]
+        admin = bool(key) and self.auth.is_admin(key)
+        self._on_client_frames(frames, now, key, admin)
+
+    def _on_admin_frames(self, frames: list[bytes], now: float) -> None:
+        frames[0] = ADMIN + frames[0]
+        self._on_client_frames(frames, now, "", admin=True)
+
+    def _on_client_frames(self, frames: list[bytes], now: float, key: str, admin: bool) -> None:
         route = frames[0]
         if len(frames) != 3:
             request_id, session_id = _salvage_ids(frames[1] if len(frames) > 1 else b"")
@@ -241,7 +297,7 @@ class Broker(SessionLifecycle):
         if handler is None:
             return self._error(route, env.request_id, env.session_id, ErrorCode.UNKNOWN_OP, f"unknown op {env.op!r}")
         try:
-            handler(self, ClientFrame(route, env, env_raw, body, now))
+            handler(self, ClientFrame(route, env, env_raw, body, now, key, admin))
         except ProtocolError as exc:
             self._error(route, env.request_id, env.session_id, exc.code, exc.message)
 
@@ -251,8 +307,11 @@ class Broker(SessionLifecycle):
         self._check_unique(route, request_id)
         if self.drain is not None:
             return self._refuse(route, request_id, OverloadReason.DRAINING, "the broker is draining")
-        owner = request.client_name or route.hex()
-        self._place(Pending(route, request_id, frame.body, owner, frame.now, frame.now), request, frame.now)
+        # The owner decides quota and (with CURVE) who may use the session;
+        # the worker keeps it in the session's record.
+        owner = frame.key or request.client_name or route.hex()
+        body = encode(msgspec.structs.replace(request, client_name=owner))
+        self._place(Pending(route, request_id, body, owner, frame.now, frame.now), request, frame.now)
 
     def _place(self, pending: Pending, request, now: float) -> None:
         """An OPEN, or a call on a hibernated session: onto a worker's free
@@ -287,7 +346,7 @@ class Broker(SessionLifecycle):
         """APPEND, GENERATE, INFO, CLOSE, CREDIT: to the worker holding the
         session's slab, untouched; for a hibernated session see _dormant."""
         env = frame.env
-        session = self._session(env.session_id)
+        session = self._session(frame)
         if self.drain is not None and env.op in _STREAMING:
             return self._refuse(
                 frame.route, env.request_id, OverloadReason.DRAINING, "the broker is draining", env.session_id
@@ -333,6 +392,10 @@ class Broker(SessionLifecycle):
         self._reply(frame.route, frame.env, Pong(time=time.time()))
 
     def _drain_op(self, frame: ClientFrame) -> None:
+        if not frame.admin:
+            raise ProtocolError(
+                ErrorCode.FORBIDDEN, "drain is an admin op: use the admin endpoint (`kvmux drain`) or an admin key"
+            )
         grace = decode_body(Op.DRAIN, frame.body).grace_s
         if grace is not None and grace < 0:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "grace_s must be >= 0")
@@ -355,18 +418,25 @@ class Broker(SessionLifecycle):
         Op.SESSIONS: SessionLifecycle._list_sessions,
     }
 
-    def _session(self, session_id: str) -> Session:
+    def _session(self, frame: ClientFrame) -> Session:
+        """The frame's session, if it exists and the caller may use it: to a
+        key that does not own it, it does not exist (no oracle)."""
+        session_id = frame.env.session_id
         if not session_id:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "this op needs a session id")
         session = self.registry.sessions.get(session_id)
-        if session is not None and session.ending is None:
+        if session is not None and not frame.owns(session):
+            session = None
+        elif session is not None and session.ending is None:
             return session
-        if session is not None:
+        elif session is not None:
             raise ProtocolError(
                 session.ending, f"session {session_id} is being closed by the broker ({session.ending.value})"
             )
-        code, why = self.registry.gone.get(session_id, (ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}"))
-        raise ProtocolError(code, why)
+        gone = self.registry.gone.get(session_id)
+        if gone is None or (frame.key and not frame.admin and gone.owner != frame.key):
+            raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+        raise ProtocolError(gone.code, gone.why)
 
     def _check_unique(self, route: bytes, request_id: int) -> None:
         if (route, request_id) in self.registry.requests or self.admission.is_queued(route, request_id):
@@ -388,6 +458,27 @@ class Broker(SessionLifecycle):
         except ProtocolError as exc:
             log.warning("bad_worker_envelope", worker=identity.hex(), error=exc.message)
             return
+        try:
+            self._on_worker_op(identity, worker, route, env, env_raw, body, now)
+        except ProtocolError as exc:  # an unreadable body: one line, and the client waiting on it is told
+            log.warning("bad_worker_frame", worker=identity.hex(), op=env.op, error=exc.message)
+            req = self.registry.requests.get((route, env.request_id))
+            if worker is not None and req is not None and req.worker is worker and env.op != Op.PARTIAL:
+                self.registry.finish(req)
+                if route and not req.orphaned:
+                    why = f"worker {worker.worker_id} sent an unreadable reply: {exc.message}"
+                    self._error(route, req.request_id, req.session_id, ErrorCode.INTERNAL, why)
+
+    def _on_worker_op(
+        self,
+        identity: bytes,
+        worker: Worker | None,
+        route: bytes,
+        env: Envelope,
+        env_raw: bytes,
+        body: bytes,
+        now: float,
+    ) -> None:
         if env.op == Op.READY:
             return self._on_ready(identity, worker, body, now)
         if worker is None:
@@ -422,6 +513,9 @@ class Broker(SessionLifecycle):
             self._lose_worker(known, "re-registered")
         if ready.version != PROTOCOL_VERSION:
             log.error("worker_version_mismatch", worker=identity.hex(), version=ready.version)
+            return
+        if not 0 <= ready.free_slabs <= ready.slabs or ready.slab_bytes < 0 or len(ready.sessions) > ready.slabs:
+            log.warning("bad_worker_ready", worker=identity.hex(), slabs=ready.slabs, free=ready.free_slabs)
             return
         worker = self.registry.add_worker(identity, ready, now)
         for session_id in ready.sessions:
@@ -714,7 +808,16 @@ class Broker(SessionLifecycle):
             restore_p50_s=restore_p50,
             restore_p99_s=restore_p99,
             store_bytes=self._store_size(now),
+            endpoints=self.endpoints,
         )
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The User-Id the ZAP handler gave the connection: its z85 public key."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def _salvage_ids(raw: bytes) -> tuple[int, str]:

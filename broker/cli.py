@@ -1,4 +1,6 @@
-"""`kvmux serve`, `kvmux stats`, `kvmux drain`."""
+"""`kvmux serve`, and the operator's `kvmux stats`, `kvmux drain`,
+`kvmux sessions`, `kvmux keys`: those talk to the admin endpoint unless
+given another (drain needs admin; sessions there lists every session)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,33 @@ import typer
 
 from kvmux import logs, paths
 
+keys_app = typer.Typer(help="CURVE key pairs for tcp endpoints.", no_args_is_help=True)
+
 
 def register(app: typer.Typer) -> None:
     app.command()(serve)
     app.command()(stats)
     app.command()(drain)
     app.command()(sessions)
+    app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("new")
+def keys_new(
+    name: str = typer.Argument(..., help="The key's name: writes NAME.key (public) and NAME.key_secret."),
+    dir_: Path = typer.Option(Path(), "--dir", help="Where to write them (created 0700 if missing)."),
+) -> None:
+    """Write a CURVE key pair in pyzmq's certificate format. Give NAME.key to
+    the other side (the broker's --client-keys/--worker-keys/--admin-keys
+    dir, or a client's server_key); keep NAME.key_secret private."""
+    from kvmux import keys
+
+    try:
+        public, secret = keys.new(name, dir_)
+    except (keys.BadKey, OSError) as exc:
+        typer.echo(f"kvmux keys new: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"public key  {keys.public_key(public).decode()}\nwrote       {public}\nsecret      {secret} (0600)")
 
 
 def serve(
@@ -37,7 +60,7 @@ def serve(
     queue_depth: int | None = typer.Option(None, help="Most opens waiting in the queue (default: 64)."),
     queue_wait_s: float | None = typer.Option(None, help="Longest an open waits in the queue (default: 30)."),
     client_quota: int | None = typer.Option(
-        None, help="Live sessions per client identity, 0 = unlimited (default: 0)."
+        None, help="Sessions (live and hibernated) per client identity, 0 = unlimited (default: 1000)."
     ),
     idle_timeout_s: float | None = typer.Option(None, help="Close sessions idle this long, 0 = never (default: 0)."),
     state_dir: str | None = typer.Option(
@@ -58,6 +81,26 @@ def serve(
     ),
     heartbeat_s: float | None = typer.Option(None, help="Heartbeat interval with workers (default: 1)."),
     max_frame_bytes: int | None = typer.Option(None, help="Largest client frame accepted (default: 8 MiB)."),
+    max_tokens_limit: int | None = typer.Option(
+        None, help="Local workers refuse max_tokens above this (invalid_argument) (default: 4096)."
+    ),
+    max_append_tokens: int | None = typer.Option(
+        None, help="Local workers refuse one append longer than this many tokens (default: 32768)."
+    ),
+    admin_endpoint: str | None = typer.Option(
+        None, help="Admin endpoint, ipc only: drain and every session (default: admin.ipc in the runtime dir)."
+    ),
+    curve_secret: str | None = typer.Option(
+        None, help="The broker's CURVE secret key file (`kvmux keys new`): CURVE on every tcp endpoint."
+    ),
+    client_keys: str | None = typer.Option(None, help="Directory of the public keys of clients allowed in."),
+    worker_keys: str | None = typer.Option(None, help="Directory of the public keys of remote workers allowed in."),
+    admin_keys: str | None = typer.Option(
+        None, help="Directory of the public keys allowed admin ops (drain) over tcp; they may also chat."
+    ),
+    insecure: bool = typer.Option(
+        False, "--insecure", help="Allow tcp beyond loopback without CURVE (anyone who reaches it may use it)."
+    ),
 ) -> None:
     """Run the broker, with --workers local worker processes."""
     from .broker import Broker
@@ -88,14 +131,23 @@ def serve(
             drain_grace_s=drain_grace_s,
             heartbeat_s=heartbeat_s,
             max_frame_bytes=max_frame_bytes,
+            max_tokens_limit=max_tokens_limit,
+            max_append_tokens=max_append_tokens,
+            admin_endpoint=admin_endpoint,
+            curve_secret=curve_secret,
+            client_keys=client_keys,
+            worker_keys=worker_keys,
+            admin_keys=admin_keys,
+            insecure=insecure or None,
         )
     except ConfigError as exc:
         typer.echo(f"kvmux serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    local = LocalWorkers(cfg)
-    broker = Broker(cfg, on_tick=local.check)
+    broker = Broker(cfg)
+    local = LocalWorkers(cfg, broker.auth)
+    broker.on_tick = local.check
     try:
-        broker.bind(cfg.frontend or paths.default_frontend(), cfg.backend or paths.default_backend())
+        broker.bind()
     except (EndpointInUse, OSError) as exc:
         typer.echo(f"kvmux serve: cannot bind: {exc}", err=True)
         broker.close()
@@ -114,7 +166,11 @@ def serve(
 
 
 def stats(
-    endpoint: str | None = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    endpoint: str | None = typer.Option(
+        None, help="Broker endpoint (default: the admin endpoint, KVMUX_ADMIN_ENDPOINT or the runtime dir's)."
+    ),
+    server_key: str | None = typer.Option(None, help="With a tcp endpoint with CURVE: the broker's public key."),
+    secret_key: str | None = typer.Option(None, help="With a tcp endpoint with CURVE: our NAME.key_secret file."),
     json: bool = typer.Option(False, "--json", help="Print the raw stats as JSON."),
     timeout_s: float = typer.Option(3.0, help="Give up after this long."),
 ) -> None:
@@ -122,7 +178,9 @@ def stats(
     from kvmux.client import Client, KvmuxError
 
     try:
-        with Client(endpoint, timeout=timeout_s) as client:
+        with Client(
+            endpoint or paths.default_admin(), timeout=timeout_s, server_key=server_key, secret_key=secret_key
+        ) as client:
             result = client.stats()
     except KvmuxError as exc:
         typer.echo(f"kvmux stats: {exc}", err=True)
@@ -134,7 +192,11 @@ def stats(
 
 
 def drain(
-    endpoint: str | None = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    endpoint: str | None = typer.Option(
+        None, help="Broker endpoint (default: the admin endpoint, KVMUX_ADMIN_ENDPOINT or the runtime dir's)."
+    ),
+    server_key: str | None = typer.Option(None, help="With a tcp endpoint with CURVE: the broker's public key."),
+    secret_key: str | None = typer.Option(None, help="With a tcp endpoint with CURVE: our NAME.key_secret file."),
     grace_s: float | None = typer.Option(None, help="How long running generations may finish (default: the daemon's)."),
     timeout_s: float = typer.Option(3.0, help="Give up after this long."),
 ) -> None:
@@ -142,7 +204,9 @@ def drain(
     from kvmux.client import Client, KvmuxError
 
     try:
-        with Client(endpoint, timeout=timeout_s) as client:
+        with Client(
+            endpoint or paths.default_admin(), timeout=timeout_s, server_key=server_key, secret_key=secret_key
+        ) as client:
             client.drain(grace_s)
     except KvmuxError as exc:
         typer.echo(f"kvmux drain: {exc}", err=True)
@@ -153,7 +217,11 @@ def drain(
 def sessions(
     action: str = typer.Argument("ls", help="ls: list sessions; rm: delete the sessions named."),
     session_ids: list[str] = typer.Argument(None, help="With rm: the session ids."),
-    endpoint: str | None = typer.Option(None, help="Broker frontend (default: KVMUX_ENDPOINT or the runtime dir's)."),
+    endpoint: str | None = typer.Option(
+        None, help="Broker endpoint (default: the admin endpoint, KVMUX_ADMIN_ENDPOINT or the runtime dir's)."
+    ),
+    server_key: str | None = typer.Option(None, help="With a tcp endpoint with CURVE: the broker's public key."),
+    secret_key: str | None = typer.Option(None, help="With a tcp endpoint with CURVE: our NAME.key_secret file."),
     json: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
     timeout_s: float = typer.Option(10.0, help="Give up after this long."),
 ) -> None:
@@ -164,7 +232,9 @@ def sessions(
         typer.echo("kvmux sessions: use `kvmux sessions [ls]` or `kvmux sessions rm ID [ID ...]`", err=True)
         raise typer.Exit(2)
     try:
-        with Client(endpoint, timeout=timeout_s) as client:
+        with Client(
+            endpoint or paths.default_admin(), timeout=timeout_s, server_key=server_key, secret_key=secret_key
+        ) as client:
             if action == "ls":
                 rows = client.list_sessions()
             else:

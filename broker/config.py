@@ -10,8 +10,14 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import msgspec
 
-from kvmux.paths import state_dir
-from kvmux.protocol import DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+from kvmux import keys, paths
+from kvmux.protocol import (
+    DEFAULT_MAX_APPEND_TOKENS,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_LIVENESS,
+)
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
@@ -22,6 +28,13 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # sockets ("" = the default ipc endpoints under kvmux.paths.runtime_dir())
     frontend: str = ""
     backend: str = ""
+    admin_endpoint: str = ""  # ipc only: every frame arriving there is admin
+    # security (docs/operations.md, "Security"): CURVE on every tcp endpoint
+    curve_secret: str = ""  # the broker's NAME.key_secret; "" = no CURVE
+    client_keys: str = ""  # dirs of allowed public keys (NAME.key files)
+    worker_keys: str = ""
+    admin_keys: str = ""  # also allowed as clients; may DRAIN over tcp
+    insecure: bool = False  # allow tcp beyond loopback without CURVE
     # local workers started by `kvmux serve`
     workers: Count = 1
     slabs: Annotated[int, msgspec.Meta(ge=1)] = 4
@@ -31,7 +44,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     admission: Literal["reject", "queue"] = "reject"
     queue_depth: Count = 64  # most opens waiting at once
     queue_wait_s: Positive = 30.0  # longest an open waits for a slab
-    client_quota: Count = 0  # live sessions per client identity; 0 = no quota
+    client_quota: Count = 1000  # sessions (live and hibernated) per client identity; 0 = no quota
     idle_timeout_s: NonNegative = 0.0  # close sessions idle this long; 0 = never
     # durable sessions (docs/operations.md, "Session store")
     state_dir: str = ""  # "" = kvmux.paths.state_dir()
@@ -45,6 +58,8 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_s: Positive = HEARTBEAT_INTERVAL_S
     heartbeat_liveness: Annotated[float, msgspec.Meta(ge=1)] = HEARTBEAT_LIVENESS
     max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_FRAME_BYTES
+    max_tokens_limit: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_TOKENS_LIMIT  # local workers' cap on one reply
+    max_append_tokens: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_APPEND_TOKENS  # and on one append
     drain_grace_s: NonNegative = 10.0  # running generations may finish within this
     # ZeroMQ high-water marks (messages per peer) and the per-client backlog the
     # broker holds once a client's pipe is full (see docs/operations.md).
@@ -55,8 +70,38 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.admission == "queue" and self.queue_depth == 0:
             raise ValueError("admission = 'queue' needs queue_depth >= 1")
-        if not self.state_dir:
-            self.state_dir = str(state_dir())
+        self.state_dir = self.state_dir or str(paths.state_dir())
+        self.frontend = self.frontend or paths.default_frontend()
+        self.backend = self.backend or paths.default_backend()
+        self.admin_endpoint = self.admin_endpoint or paths.default_admin()
+        if not self.admin_endpoint.startswith("ipc://"):
+            raise ValueError(f"admin_endpoint: {self.admin_endpoint} is not ipc:// (admin is local only)")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        for name in ("client_keys", "worker_keys", "admin_keys"):
+            path = getattr(self, name)
+            if path and not Path(path).expanduser().is_dir():
+                raise ValueError(f"{name}: {path} is not a directory of `kvmux keys new` .key files")
+        if self.curve_secret:
+            try:
+                keys.key_pair(self.curve_secret)
+            except keys.BadKey as exc:
+                raise ValueError(f"curve_secret: {exc}") from None
+            if self.frontend.startswith("tcp://") and not (self.client_keys or self.admin_keys):
+                raise ValueError("curve_secret: with CURVE on a tcp frontend, give client_keys (or admin_keys)")
+            return
+        for name in ("frontend", "backend"):
+            endpoint = getattr(self, name)
+            if endpoint.startswith("tcp://") and not keys.is_loopback(endpoint) and not self.insecure:
+                raise ValueError(
+                    f"{name}: {endpoint} is reachable from other machines without authentication or encryption: "
+                    "give curve_secret (with client_keys/worker_keys), or insecure = true to accept that"
+                )
+
+    @property
+    def curve(self) -> bool:
+        return bool(self.curve_secret)
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from kvmux import paths
+from kvmux import keys, paths
 
 
 class EndpointInUse(RuntimeError):
@@ -28,6 +28,30 @@ def prepare(endpoint: str) -> None:
         if _listening(path):
             raise EndpointInUse(f"{endpoint} is in use by a running process (another broker?)")
         path.unlink()
+
+
+def restrict(endpoint: str) -> None:
+    """Only the broker's own user may connect to this ipc socket."""
+    if endpoint.startswith("ipc://"):
+        Path(endpoint.removeprefix("ipc://")).chmod(0o600)
+
+
+def protection(endpoint: str, curve: bool) -> str:
+    """Who can reach an endpoint, in a few words."""
+    if curve:
+        return "CURVE: encrypted, keys checked"
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint.removeprefix("ipc://"))
+        try:
+            mode = path.stat().st_mode & 0o777
+            parent = path.parent.stat().st_mode & 0o777
+        except OSError:
+            return "ipc"
+        private = not (mode & 0o077) or not (parent & 0o077)
+        return "ipc, this user only" if private else f"ipc, OPEN to other local users (mode {mode:o}, dir {parent:o})"
+    if keys.is_loopback(endpoint):
+        return "tcp on loopback without CURVE: every local user can connect"
+    return "OPEN to the network: tcp without CURVE (--insecure)"
 
 
 def remove(endpoint: str) -> None:

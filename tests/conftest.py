@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.auth
 
 from kvmux import protocol as p
 
@@ -50,19 +51,36 @@ def broker_stats(endpoint: str, timeout_s: float = 2.0) -> p.BrokerStats | None:
 
 
 class Stack:
-    """A broker and its workers as child processes; logs go to files in `dir`."""
+    """A broker and its workers as child processes; logs go to files in `dir`.
+    `curve=True`: frontend and backend on tcp with CURVE, keys under `keys`
+    (server, clients/alice, clients/bob, workers/w1, admin/root)."""
 
-    def __init__(self, *, workers: int = 1, slabs: int = 4, broker_args=(), worker_args=(), transport: str = "ipc"):
+    def __init__(
+        self,
+        *,
+        workers: int = 1,
+        slabs: int = 4,
+        broker_args=(),
+        worker_args=(),
+        transport: str = "ipc",
+        curve: bool = False,
+    ):
         self.dir = Path(tempfile.mkdtemp(prefix="kvmux-t-", dir="/tmp"))  # short: ipc paths are limited
-        if transport == "ipc":
+        if transport == "ipc" and not curve:
             self.frontend = f"ipc://{self.dir}/f.ipc"
             self.backend = f"ipc://{self.dir}/b.ipc"
         else:
             self.frontend = f"tcp://127.0.0.1:{_free_tcp_port()}"
             self.backend = f"tcp://127.0.0.1:{_free_tcp_port()}"
+        self.admin = f"ipc://{self.dir}/a.ipc"  # stats and drain go here: it needs no key
         self.slabs = slabs
         self.state = self.dir / "state"  # the session store, the broker's and its workers'
         self.worker_args = ["--state-dir", str(self.state), *worker_args]
+        self.keys = self.dir / "keys"
+        if curve:
+            broker_args = [*self._make_keys(), *broker_args]
+            self.worker_args += ["--server-key", str(self.keys / "server.key")]
+            self.worker_args += ["--curve-secret", str(self.keys / "workers" / "w1.key_secret")]
         self.workers: list[subprocess.Popen] = []
         self.broker_cmd = kvmux_command(
             "serve",
@@ -74,12 +92,31 @@ class Stack:
             self.backend,
             "--state-dir",
             str(self.state),
+            "--admin-endpoint",
+            self.admin,
             *broker_args,
         )
         self.broker = self._spawn("broker", self.broker_cmd)
         for _ in range(workers):
             self.add_worker(wait=False)
         self.wait_workers(workers)
+
+    def _make_keys(self) -> list[str]:
+        for name, where in (
+            ("server", ""),
+            ("alice", "clients"),
+            ("bob", "clients"),
+            ("w1", "workers"),
+            ("root", "admin"),
+        ):
+            (self.keys / where).mkdir(parents=True, exist_ok=True)
+            zmq.auth.create_certificates(self.keys / where, name)
+        return [
+            *("--curve-secret", str(self.keys / "server.key_secret")),
+            *("--client-keys", str(self.keys / "clients")),
+            *("--worker-keys", str(self.keys / "workers")),
+            *("--admin-keys", str(self.keys / "admin")),
+        ]
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         env = {**os.environ, "KVMUX_LOG_LEVEL": os.environ.get("KVMUX_LOG_LEVEL", "info")}
@@ -105,7 +142,7 @@ class Stack:
         return proc
 
     def stats(self) -> p.BrokerStats:
-        stats = broker_stats(self.frontend)
+        stats = broker_stats(self.admin)
         assert stats is not None, f"broker did not answer STATS\n{self.logs()}"
         return stats
 
@@ -114,7 +151,7 @@ class Stack:
         while time.monotonic() < deadline:
             if self.broker.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.broker.returncode}\n{self.logs()}")
-            stats = broker_stats(self.frontend, timeout_s=1.0)
+            stats = broker_stats(self.admin, timeout_s=1.0)
             if stats is not None and len(stats.workers) >= count:
                 return stats
             time.sleep(0.2)
@@ -160,6 +197,7 @@ class Daemon:
         self.tmp = tmp
         self.run = Path(tempfile.mkdtemp(prefix="kvmux-d-", dir="/tmp"))  # short: ipc paths are limited
         self.frontend = f"ipc://{self.run}/f.ipc"
+        self.admin = f"ipc://{self.run}/admin.ipc"  # the default in its runtime dir
         serve = ["serve", "--workers", str(workers), "--slabs", str(slabs), "--frontend", self.frontend]
         cmd = kvmux_command(*serve, "--backend", f"ipc://{self.run}/b.ipc", "--state-dir", str(tmp / "state"), *args)
         env = {**os.environ, "KVMUX_RUNTIME_DIR": str(self.run), "KVMUX_LOG_LEVEL": "info"}

@@ -92,7 +92,8 @@ def test_ping_and_stats(raw, shared_stack):
         ([p.envelope(Op.INFO, 16, "no-such-session"), p.encode(p.Info())], ErrorCode.SESSION_NOT_FOUND, 16),
         ([p.envelope(Op.INFO, 17), p.encode(p.Info())], ErrorCode.INVALID_ARGUMENT, 17),  # no session id
         ([p.envelope(Op.CANCEL, 18), p.encode(p.Cancel(request_id=99))], ErrorCode.INVALID_ARGUMENT, 18),
-        ([p.envelope(Op.DRAIN, 19), p.encode(p.Drain(grace_s=-1.0))], ErrorCode.INVALID_ARGUMENT, 19),
+        ([p.envelope(Op.DRAIN, 19), p.encode(p.Drain(grace_s=1.0))], ErrorCode.FORBIDDEN, 19),  # not admin
+        ([p.envelope(Op.DRAIN, 20), b"\xc1"], ErrorCode.FORBIDDEN, 20),
     ],
 )
 def test_bad_frames_get_typed_errors(raw, parts, code, request_id):
@@ -100,6 +101,39 @@ def test_bad_frames_get_typed_errors(raw, parts, code, request_id):
     expect_error(raw.recv(), code, request_id)
     _, pong = raw.call(Op.PING, p.Ping())  # still serving
     assert isinstance(pong, p.Pong)
+
+
+def test_admin_endpoint_takes_drain_but_checks_it(shared_stack):
+    admin = Raw(shared_stack.admin)
+    try:
+        expect_error(admin.call(Op.DRAIN, p.Drain(grace_s=-1.0)), ErrorCode.INVALID_ARGUMENT)
+        _, stats = admin.call(Op.STATS, p.Stats())
+        assert not stats.draining
+        assert {e.name: e.endpoint for e in stats.endpoints}["admin"] == shared_stack.admin
+        assert all("OPEN" not in e.protection for e in stats.endpoints), stats.endpoints
+    finally:
+        admin.close()
+
+
+def test_worker_limits_on_tokens(raw):
+    _, opened = raw.call(Op.OPEN, p.OpenSession())
+    sid = opened.session_id
+    try:
+        error = expect_error(raw.call(Op.GENERATE, p.Generate(max_tokens=4097), sid), ErrorCode.INVALID_ARGUMENT)
+        assert "4096" in error.message and "--max-tokens-limit" in error.message
+        error = expect_error(raw.call(Op.APPEND, p.Append(token_ids=[1] * 32769), sid), ErrorCode.INVALID_ARGUMENT)
+        assert "--max-append-tokens" in error.message
+        text = "word " * 33000
+        error = expect_error(
+            raw.call(Op.APPEND, p.Append(messages=[p.ChatMessage("user", text)]), sid), ErrorCode.INVALID_ARGUMENT
+        )
+        assert "--max-append-tokens" in error.message
+        _, info = raw.call(Op.INFO, p.Info(), sid)
+        assert info.history_tokens == 0  # nothing of the refused appends stayed
+        _, appended = raw.call(Op.APPEND, p.Append(messages=[p.ChatMessage("user", "Hi.")]), sid)
+        assert appended.new_tokens > 0
+    finally:
+        raw.call(Op.CLOSE, p.Close(), sid)
 
 
 def test_oversized_frame(raw):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import STARTUP_TIMEOUT_S, broker_stats, kvmux_command
 
-from kvmux.client import Client, Overloaded
+from kvmux.client import Client, Forbidden, Overloaded
 
 GRACE_S = 2.0
 
@@ -90,18 +90,18 @@ def test_serve_with_local_workers_drains_on_the_drain_op():
 
         with Client(endpoint, timeout=10) as client:
             session = client.open_session()
-            done = subprocess.run(
-                kvmux_command("drain", "--endpoint", endpoint, "--grace-s", "1"),
-                capture_output=True,
-                text=True,
-                timeout=60,
+            with pytest.raises(Forbidden):
+                client.drain()  # a client is not admin, even on the same user's ipc
+            assert list(session.chat("Say hi.", max_tokens=2))  # and the daemon keeps serving
+            done = subprocess.run(  # the admin endpoint in the runtime dir
+                kvmux_command("drain", "--grace-s", "1"), env=env, capture_output=True, text=True, timeout=60
             )
             assert done.returncode == 0 and "draining" in done.stdout, done.stderr
             assert serve.wait(30) == 0
             session.closed = True  # its broker is gone: nothing to close
         with pytest.raises(ProcessLookupError):
             os.kill(worker_pid, 0)  # the local worker was stopped (and reaped)
-        assert not (rt / "frontend.ipc").exists() and not (rt / "backend.ipc").exists()
+        assert not any((rt / name).exists() for name in ("frontend.ipc", "backend.ipc", "admin.ipc"))
     finally:
         if serve.poll() is None:
             serve.kill()

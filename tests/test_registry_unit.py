@@ -69,7 +69,7 @@ def test_removing_a_worker_fails_its_requests_and_remembers_why_its_sessions_wen
     assert reg.remove_worker(lost, "silent for 3.0s", stored=False) == [mine]
     assert list(reg.workers.values()) == [other] and list(reg.requests.values()) == [theirs]
     assert lost.in_flight == 0 and "s1" not in reg.sessions and "s2" in reg.sessions
-    code, why = reg.gone["s1"]
+    code, why, _owner = reg.gone["s1"]
     assert code is ErrorCode.SESSION_NOT_FOUND and "w1" in why and "silent for 3.0s" in why
 
 
@@ -144,7 +144,7 @@ def test_dropped_sessions_are_remembered_with_their_reason_and_the_memory_is_bou
     assert worker.free_slabs == 2 and "closed" not in reg.gone  # a client close needs no reason
     add(reg, "s0", worker)
     reg.drop_session("s0", ErrorCode.SESSION_EXPIRED, "idle")
-    assert reg.gone["s0"] == (ErrorCode.SESSION_EXPIRED, "idle")
+    assert reg.gone["s0"] == (ErrorCode.SESSION_EXPIRED, "idle", "alice")  # the owner: told only to it
     for i in range(1, 4097):
         reg.drop_session(f"s{i}", ErrorCode.SESSION_NOT_FOUND, "lost")
     assert len(reg.gone) == 4096 and "s0" not in reg.gone and "s4096" in reg.gone

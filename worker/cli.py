@@ -27,6 +27,23 @@ def worker(
     state_dir: str | None = typer.Option(
         None, help="Session store's dir, shared with the broker. [default: $XDG_STATE_HOME/kvmux]"
     ),
+    max_tokens_limit: int = typer.Option(
+        p.DEFAULT_MAX_TOKENS_LIMIT, min=1, help="Refuse max_tokens above this (invalid_argument)."
+    ),
+    max_append_tokens: int = typer.Option(
+        p.DEFAULT_MAX_APPEND_TOKENS, min=1, help="Refuse one append (or a chat's messages) longer than this."
+    ),
+    server_key: str | None = typer.Option(
+        None,
+        envvar="KVMUX_SERVER_KEY",
+        help="The broker's CURVE public key (z85, or its .key file): connect with CURVE.",
+    ),
+    curve_secret: str | None = typer.Option(
+        None,
+        envvar="KVMUX_CURVE_SECRET",
+        show_envvar=False,
+        help="This worker's CURVE secret key file (NAME.key_secret; the broker's --worker-keys holds NAME.key).",
+    ),
 ) -> None:
     """Run one worker: load the model, register with the broker, serve sessions."""
     from kvmux.worker.preload import ensure_preloaded
@@ -46,6 +63,10 @@ def worker(
         heartbeat_s=heartbeat_s,
         grace_s=grace_s,
         state_dir=state_dir or str(paths.state_dir()),
+        max_tokens_limit=max_tokens_limit,
+        max_append_tokens=max_append_tokens,
+        server_key=server_key or "",
+        curve_secret=curve_secret or "",
     )
     raise typer.Exit(Worker(config).run())
 

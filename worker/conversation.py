@@ -43,6 +43,14 @@ class Conversation:
         self.rendered = full
         return text
 
+    def mark(self) -> tuple[int, str]:
+        """Where the conversation stands, to roll an extend back to."""
+        return len(self.messages), self.rendered
+
+    def rollback(self, mark: tuple[int, str]) -> None:
+        del self.messages[mark[0] :]
+        self.rendered = mark[1]
+
     def generation_prompt(self) -> str:
         full = self._render(self.messages, generation_prompt=True)
         text = self._suffix(full)

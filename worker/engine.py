@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from kvmux.protocol import ErrorCode, ProtocolError, Sampling, StopReason
+from kvmux.protocol import (
+    DEFAULT_MAX_APPEND_TOKENS,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    ErrorCode,
+    ProtocolError,
+    Sampling,
+    StopReason,
+)
 
 from . import batch
 from .conversation import Conversation
@@ -90,12 +97,22 @@ class Decoded:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_sink: int, max_window: int):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_sink: int,
+        max_window: int,
+        max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+        max_append_tokens: int = DEFAULT_MAX_APPEND_TOKENS,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.max_sink = max_sink
         self.max_window = max_window
+        # Limits that keep one request from holding the worker for hours.
+        self.max_tokens_limit = max_tokens_limit
+        self.max_append_tokens = max_append_tokens
         self.eos = set(self.tokenizer.eos_token_ids)
         self.batching = batch.supports_batching(self.model)
 
@@ -140,8 +157,8 @@ class Engine:
             stop=pick("stop", []),
         )
         problems = []
-        if params.max_tokens < 1:
-            problems.append("max_tokens must be >= 1")
+        if not 1 <= params.max_tokens <= self.max_tokens_limit:
+            problems.append(f"max_tokens must be within 1..{self.max_tokens_limit} (the worker's --max-tokens-limit)")
         if params.temperature < 0:
             problems.append("temperature must be >= 0")
         if not 0 < params.top_p <= 1:

@@ -283,9 +283,21 @@ class Scheduler:
         self.jobs[session.id] = job
 
     def queue_messages(self, session: Session, messages: list[p.ChatMessage]) -> None:
-        text = session.conversation.extend([{"role": m.role, "content": m.content} for m in messages])
-        session.pending.extend(self.engine.encode(text))
+        conversation = session.conversation
+        mark = conversation.mark()
+        tokens = self.engine.encode(conversation.extend([{"role": m.role, "content": m.content} for m in messages]))
+        if len(tokens) > self.engine.max_append_tokens:
+            conversation.rollback(mark)
+            self._too_long(len(tokens))
+        session.pending.extend(tokens)
         session.raw = False
+
+    def _too_long(self, tokens: int) -> None:
+        raise ProtocolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"one append of {tokens} tokens; this worker takes at most {self.engine.max_append_tokens}"
+            " (--max-append-tokens): send it in parts",
+        )
 
     def append(self, route: bytes, env: p.Envelope, body: p.Append, session: Session) -> None:
         if bool(body.messages) == bool(body.token_ids):
@@ -294,6 +306,8 @@ class Scheduler:
         if body.messages:
             self.queue_messages(session, body.messages)
         else:
+            if len(body.token_ids) > self.engine.max_append_tokens:
+                self._too_long(len(body.token_ids))
             self.engine.check_token_ids(body.token_ids)
             session.pending.extend(body.token_ids)
             session.raw = True

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from kvmux import logs, paths
+from kvmux import keys, logs, paths
 from kvmux import protocol as p
 from kvmux.protocol import Op
 
@@ -42,6 +42,10 @@ class WorkerConfig:
     heartbeat_s: float = p.HEARTBEAT_INTERVAL_S
     grace_s: float = 30.0  # drain: how long running generations may finish
     state_dir: str = field(default_factory=lambda: str(paths.state_dir()))  # the session store
+    max_tokens_limit: int = p.DEFAULT_MAX_TOKENS_LIMIT
+    max_append_tokens: int = p.DEFAULT_MAX_APPEND_TOKENS
+    server_key: str = ""  # the broker's CURVE public key (z85 or its .key file): CURVE on
+    curve_secret: str = ""  # this worker's secret key (z85 or a .key_secret file)
 
 
 class Worker:
@@ -78,7 +82,13 @@ class Worker:
             # MLX streams belong to the thread that made them.
             mx.set_default_stream(mx.new_stream(mx.default_device()))
             loaded = load(self.config.model)
-            engine = Engine(loaded, max_sink=self.config.sink, max_window=self.config.window)
+            engine = Engine(
+                loaded,
+                max_sink=self.config.sink,
+                max_window=self.config.window,
+                max_tokens_limit=self.config.max_tokens_limit,
+                max_append_tokens=self.config.max_append_tokens,
+            )
             store = Store(self.config.state_dir)
             scheduler = Scheduler(
                 engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe, store=store
@@ -234,6 +244,8 @@ class Worker:
         sock.setsockopt(zmq.ROUTING_ID, self.id.encode())
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 1000)
+        if self.config.server_key:
+            keys.secure_client(sock, self.config.server_key, self.config.curve_secret or None)
         sock.connect(self.config.connect)
         ready = msgspec.structs.replace(
             p.decode_body(Op.READY, self.ready_body), free_slabs=self.status.free_slabs, sessions=self.status.sessions

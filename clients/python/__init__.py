@@ -31,6 +31,7 @@ from .aio import AsyncClient, AsyncSession, AsyncStream
 from .errors import (
     Busy,
     Cancelled,
+    Forbidden,
     FrameTooLarge,
     Internal,
     InvalidArgument,
@@ -61,6 +62,7 @@ __all__ = [
     "Client",
     "Closed",
     "ErrorCode",
+    "Forbidden",
     "FrameTooLarge",
     "GenerateResult",
     "Internal",

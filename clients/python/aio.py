@@ -9,6 +9,7 @@ iterates a stream, or breaking out of `async for`, cancels the generation.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import zmq
@@ -92,7 +93,9 @@ class AsyncSession(core.SessionCore):
 
 class AsyncClient(core.ClientCore):
     """`async with AsyncClient(endpoint) as client:`; `timeout` (seconds)
-    bounds every call and, for a stream, the wait for each frame."""
+    bounds every call and, for a stream, the wait for each frame. For a tcp
+    broker with CURVE: `server_key` (its public key, z85 or its .key file)
+    and `secret_key` (ours: a NAME.key_secret file or a z85 secret)."""
 
     _session_class = AsyncSession
     _queue_class = asyncio.Queue
@@ -102,14 +105,15 @@ class AsyncClient(core.ClientCore):
         endpoint: str | None = None,
         *,
         timeout: float = wire.DEFAULT_TIMEOUT_S,
+        server_key: str | os.PathLike | None = None,
+        secret_key: str | os.PathLike | None = None,
         context: zmq.asyncio.Context | None = None,
     ):
-        super().__init__(endpoint, timeout)
+        super().__init__(endpoint, timeout, server_key, secret_key)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first call
         self._receiver: asyncio.Task | None = None
         self._socket = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(self.endpoint)
+        self._connect(self._socket)
 
     # ------------------------------------------------------------ public API
 

@@ -17,6 +17,7 @@ class Calls:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self._queues: dict[int, Any] = {}
+        self.heard = False  # any frame from the broker yet: a silent one may have refused our keys
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -32,6 +33,7 @@ class Calls:
         """Put a reply frame on its request's queue: a PARTIAL keeps the
         request, the last reply (FINAL or ERROR) forgets it. Unreadable
         replies, and replies to forgotten requests, are dropped."""
+        self.heard = True
         reply = wire.parse(parts)
         if reply is None:
             return
@@ -52,9 +54,10 @@ class Wait(NamedTuple):
     what: str
     request_id: int
     session_id: str
+    hint: str = ""  # why the broker may be silent, for the timeout's message
 
     def expired(self) -> errors.Timeout:
-        return wire.timeout_error(self.what, self.timeout, self.request_id, self.session_id)
+        return wire.timeout_error(self.what, self.timeout, self.request_id, self.session_id, self.hint)
 
 
 # Yields Waits, is sent each one's Reply, returns the call's result.

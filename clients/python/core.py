@@ -21,7 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvmux import paths
+import zmq
+
+from kvmux import keys, paths
 from kvmux import protocol as p
 
 from . import errors, wire
@@ -38,12 +40,36 @@ class ClientCore:
     _session_class: type[SessionCore]
     _queue_class: type
 
-    def __init__(self, endpoint: str | None, timeout: float):
+    def __init__(self, endpoint: str | None, timeout: float, server_key: Any = None, secret_key: Any = None):
         self.endpoint = endpoint or paths.default_frontend()
         self.timeout = timeout
         self._calls = Calls()
         self._sessions: dict[str, SessionCore] = {}
         self._closed = False
+        self._server_key, self._secret_key = server_key, secret_key
+
+    def _connect(self, sock: zmq.Socket) -> None:
+        """With `server_key`, CURVE: the broker is authenticated and the
+        link encrypted; the broker admits `secret_key`'s public key or not."""
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._server_key is not None:
+            try:
+                keys.secure_client(sock, self._server_key, self._secret_key)
+            except keys.BadKey as exc:
+                sock.close()
+                raise errors.InvalidArgument(str(exc)) from None
+        sock.connect(self.endpoint)
+
+    def _silence(self) -> str:
+        """Why a broker that never answered may be silent: a CURVE handshake
+        that failed looks, from here, just like a broker that is not there."""
+        if self._calls.heard:
+            return ""
+        if self._server_key is not None:
+            return f"no answer from {self.endpoint}: is the server key right, and is our key allowed?"
+        if self.endpoint.startswith("tcp://"):
+            return f"no answer from {self.endpoint}: is it running, and does it require CURVE keys (server_key=)?"
+        return f"no answer from {self.endpoint}: is the broker running?"
 
     def _post(self, parts: list[bytes]) -> None:
         """Hand frames to the socket, without blocking, from any thread or
@@ -76,7 +102,7 @@ class ClientCore:
         """The reply to a request, unwrapped; the request is forgotten
         however the wait ends."""
         try:
-            return wire.unwrap((yield Wait(replies, self._timeout(timeout), what, rid, session_id)))
+            return wire.unwrap((yield Wait(replies, self._timeout(timeout), what, rid, session_id, self._silence())))
         finally:
             self._calls.pop(rid)
 
@@ -217,7 +243,15 @@ class StreamReader:
         state = self.state
         if state.done:
             return None
-        wait = Wait(self.replies, self.client._timeout(self.timeout), "generate", state.request_id, state.session_id)
+        client = self.client
+        wait = Wait(
+            self.replies,
+            client._timeout(self.timeout),
+            "generate",
+            state.request_id,
+            state.session_id,
+            client._silence(),
+        )
         try:
             reply = yield wait
         except errors.Timeout:

@@ -47,6 +47,12 @@ class SessionCorrupt(KvmuxError):
     code = ErrorCode.SESSION_CORRUPT
 
 
+class Forbidden(KvmuxError):
+    """An admin op (DRAIN) from an identity that is not admin."""
+
+    code = ErrorCode.FORBIDDEN
+
+
 class InvalidArgument(KvmuxError):
     code = ErrorCode.INVALID_ARGUMENT
 

@@ -101,7 +101,9 @@ class Session(core.SessionCore):
 
 class Client(core.ClientCore):
     """Connection to a kvmux broker. `timeout` (seconds) bounds every call;
-    for a stream it bounds the wait for each frame."""
+    for a stream it bounds the wait for each frame. For a tcp broker with
+    CURVE: `server_key` (its public key, z85 or its .key file) and
+    `secret_key` (ours: a NAME.key_secret file or a z85 secret)."""
 
     _session_class = Session
     _queue_class = queue.SimpleQueue
@@ -111,9 +113,11 @@ class Client(core.ClientCore):
         endpoint: str | None = None,
         *,
         timeout: float = wire.DEFAULT_TIMEOUT_S,
+        server_key: str | os.PathLike | None = None,
+        secret_key: str | os.PathLike | None = None,
         context: zmq.Context | None = None,
     ):
-        super().__init__(endpoint, timeout)
+        super().__init__(endpoint, timeout, server_key, secret_key)
         self._outbox: collections.deque = collections.deque()
         # A pipe wakes the I/O thread: writing to it is safe from any thread,
         # even from a finalizer, unlike a ZeroMQ socket.
@@ -121,8 +125,7 @@ class Client(core.ClientCore):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._socket = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(self.endpoint)
+        self._connect(self._socket)
         self._thread = threading.Thread(target=self._io, name="kvmux-client-io", daemon=True)
         self._thread.start()
 

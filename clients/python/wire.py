@@ -96,10 +96,9 @@ def unwrap(reply: Reply) -> Any:
     return body
 
 
-def timeout_error(what: str, timeout: float, request_id: int, session_id: str = "") -> errors.Timeout:
-    return errors.Timeout(
-        f"no reply to {what} within {timeout:g}s", request_id=request_id, session_id=session_id or None
-    )
+def timeout_error(what: str, timeout: float, request_id: int, session_id: str = "", hint: str = "") -> errors.Timeout:
+    message = f"no reply to {what} within {timeout:g}s" + (f": {hint}" if hint else "")
+    return errors.Timeout(message, request_id=request_id, session_id=session_id or None)
 
 
 class StreamState:

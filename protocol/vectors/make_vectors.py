@@ -40,6 +40,7 @@ SCHEMAS: dict[str, type] = {
     "WorkerStats": p.WorkerStats,
     "SessionSummary": p.SessionSummary,
     "Refused": p.Refused,
+    "Endpoint": p.Endpoint,
     **{t.__name__: t for t in p.ReplyBody.__args__},
 }
 
@@ -383,6 +384,10 @@ CASES: list[tuple[str, Any]] = [
             restore_p50_s=0.012,
             restore_p99_s=0.25,
             store_bytes=2**33,
+            endpoints=[
+                p.Endpoint(name="frontend", endpoint="tcp://0.0.0.0:5555", protection="CURVE", curve=True),
+                p.Endpoint(name="admin", endpoint="ipc:///run/kvmux/admin.ipc", protection="ipc, this user only"),
+            ],
         ),
     ),
     *[(f"error_{code.value}", p.Error(code=code, message=f"{code.value}: {U}")) for code in p.ErrorCode],

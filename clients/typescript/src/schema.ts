@@ -30,7 +30,7 @@ export const Op = {
   "ERROR": "error"
 } as const;
 
-export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
+export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "forbidden", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
 
 export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled"] as const;
 
@@ -150,6 +150,12 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["reason", "str"],
     ["count", "int"],
   ]},
+  "Endpoint": {"tag": null, "array": false, "fields": [
+    ["name", "str"],
+    ["endpoint", "str"],
+    ["protection", "str"],
+    ["curve", "bool", false],
+  ]},
   "SessionOpened": {"tag": "opened", "array": false, "fields": [
     ["session_id", "str"],
     ["worker_id", "str"],
@@ -234,6 +240,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["restore_p50_s", "float", 0.0],
     ["restore_p99_s", "float", 0.0],
     ["store_bytes", "int", 0],
+    ["endpoints", {"list": {"struct": "Endpoint"}}, []],
   ]},
   "Error": {"tag": "error", "array": false, "fields": [
     ["code", "str"],
@@ -378,6 +385,13 @@ export interface Refused {
   count: number;
 }
 
+export interface Endpoint {
+  name: string;
+  endpoint: string;
+  protection: string;
+  curve?: boolean;
+}
+
 export interface SessionOpened {
   type: "opened";
   sessionId: string;
@@ -484,6 +498,7 @@ export interface BrokerStats {
   restoreP50S?: number;
   restoreP99S?: number;
   storeBytes?: number;
+  endpoints?: Endpoint[];
 }
 
 export interface ErrorReply {
