@@ -31,6 +31,7 @@ import zmq
 
 from kvmux import logs
 from kvmux.protocol import (
+    DECODE_ERRORS,
     PROTOCOL_VERSION,
     REPLY_OPS,
     Ack,
@@ -67,8 +68,8 @@ log = logs.get("broker")
 
 _BATCH = 256  # frames read from one socket per loop turn, so neither starves
 _POLL_MS = 50
-_POLL_BACKLOG_MS = 5
-_SWEEP_S = 1.0  # how often expiry and idle hibernation look at every session  # while some client's backlog waits to be flushed
+_POLL_BACKLOG_MS = 5  # while some client's backlog waits to be flushed
+_SWEEP_S = 1.0  # how often expiry and idle hibernation look at every session
 _EMPTY_MAP = encode({})
 _STREAMING = (Op.APPEND, Op.GENERATE)
 _RESTORE_SAMPLES = 4096  # restore times kept for the p50/p99 in stats
@@ -825,7 +826,7 @@ def _salvage_ids(raw: bytes) -> tuple[int, str]:
     error still reaches the caller's pending request when they are readable."""
     try:
         head = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
+    except DECODE_ERRORS:
         return 0, ""
     if not isinstance(head, list):
         return 0, ""

@@ -12,6 +12,7 @@ import msgspec
 
 from kvmux import keys, paths
 from kvmux.protocol import (
+    DECODE_ERRORS,
     DEFAULT_MAX_APPEND_TOKENS,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_TOKENS_LIMIT,
@@ -118,7 +119,7 @@ def load(path: Path | None = None, **overrides: Any) -> BrokerConfig:
             raw = msgspec.toml.decode(Path(path).read_bytes())
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     raw.update({key: value for key, value in overrides.items() if value is not None})
     try:

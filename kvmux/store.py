@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvmux.protocol import ChatMessage, Sampling
+from kvmux.protocol import DECODE_ERRORS, ChatMessage, Sampling
 
 RECORD_VERSION = 1
 RECORD = "record.msgpack"
@@ -155,7 +155,7 @@ class Store:
             record = decoder.decode(path.read_bytes())
         except FileNotFoundError:
             raise StoreError(f"no record for session {session_id}") from None
-        except (OSError, msgspec.DecodeError) as exc:
+        except (OSError, *DECODE_ERRORS) as exc:
             raise StoreError(f"session {session_id}: unreadable record ({exc})") from None
         if record.session_id != session_id:
             raise StoreError(f"session {session_id}: the record names {record.session_id}")

@@ -1,6 +1,7 @@
 """kvmux wire contract, protocol v1 (depends on msgspec only)."""
 
 from .codec import (  # noqa: F401  (the package re-exports its API)
+    DECODE_ERRORS,
     DEFAULT_MAX_APPEND_TOKENS,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_TOKENS_LIMIT,

@@ -17,6 +17,9 @@ from . import messages as m
 from .errors import ErrorCode
 
 PROTOCOL_VERSION = 1
+# What decoding hostile bytes can raise: msgspec lets invalid UTF-8 inside a
+# msgpack string through as a bare UnicodeDecodeError.
+DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
 # A worker's defaults for the most tokens one generate may ask for and one
 # append may add (`--max-tokens-limit`, `--max-append-tokens`).
@@ -119,12 +122,12 @@ def decode_envelope(raw: bytes) -> Envelope:
     """Decode and version-check an envelope, or raise ProtocolError."""
     try:
         env = _envelope_decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         # A peer of another version may shape the envelope differently; say
         # so rather than "malformed" when its first element is a version.
         try:
             head = _any_decoder.decode(raw)
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             head = None
         if isinstance(head, list) and head and isinstance(head[0], int) and head[0] != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -147,14 +150,14 @@ def decode_body(op: str, raw: bytes) -> Any:
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
     try:
         return decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"bad {op} body: {exc}") from None
 
 
 def decode_reply(raw: bytes) -> m.ReplyBody:
     try:
         return _reply_decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except DECODE_ERRORS as exc:
         raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"bad reply body: {exc}") from None
 
 
