@@ -182,6 +182,33 @@ def sessions(
 
 
 @bench_app.command()
+def fuzz(
+    frames: int = typer.Option(100_000, help="Hostile frames, half at each socket."),
+    seed: int = typer.Option(1, help="The generator's seed (a campaign repeats exactly)."),
+    endpoint: str | None = typer.Option(None, help="A running daemon's frontend (default: start one)."),
+    backend: str | None = typer.Option(None, help="Its backend (with --endpoint)."),
+    broker_pid: int | None = typer.Option(None, help="Its broker's pid, to report its RSS (with --endpoint)."),
+    output: Path = typer.Option(Path("fuzz.json"), help="Report path."),
+) -> None:
+    """Hostile frames at both sockets: frames/s, errors by code, the broker's RSS before and after."""
+    from kvmux import logs
+
+    from . import spawn
+    from .fuzz import run
+
+    logs.configure()
+    if endpoint is None:
+        with spawn.daemon(slabs=2) as d:
+            doc = run(output, frames=frames, seed=seed, frontend=d.frontend, backend=d.backend, broker_pid=d.pid)
+    else:
+        if backend is None:
+            raise typer.BadParameter("--endpoint needs --backend too")
+        doc = run(output, frames=frames, seed=seed, frontend=endpoint, backend=backend, broker_pid=broker_pid)
+    typer.echo(json.dumps(doc["results"], indent=1))
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
 def curve(
     n: int = typer.Option(1000, help="Round trips per block, per path and transport."),
     blocks: int = typer.Option(5, help="Blocks, alternating plain and CURVE."),

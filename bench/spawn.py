@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvmux.client import Client, KvmuxError
@@ -26,6 +27,14 @@ def tcp_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+@dataclass(frozen=True)
+class Daemon:
+    frontend: str
+    backend: str
+    admin: str
+    pid: int  # the broker's
+
+
 @contextlib.contextmanager
 def serve(
     *,
@@ -36,6 +45,20 @@ def serve(
     serve_args: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """Yield the frontend endpoint of a fresh `kvmux serve` (more options in `serve_args`)."""
+    with daemon(workers=workers, slabs=slabs, model=model, transport=transport, serve_args=serve_args) as d:
+        yield d.frontend
+
+
+@contextlib.contextmanager
+def daemon(
+    *,
+    workers: int = 1,
+    slabs: int = 4,
+    model: str | None = None,
+    transport: str = "ipc",
+    serve_args: tuple[str, ...] = (),
+) -> Iterator[Daemon]:
+    """A fresh `kvmux serve`: its endpoints and the broker's pid."""
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))  # short: ipc paths are limited
     if transport == "ipc":
         frontend, backend = f"ipc://{tmp}/f.ipc", f"ipc://{tmp}/b.ipc"
@@ -51,7 +74,7 @@ def serve(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(proc, admin, workers, log_path)
-        yield frontend
+        yield Daemon(frontend, backend, admin, proc.pid)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

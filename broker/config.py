@@ -63,9 +63,11 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_append_tokens: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_APPEND_TOKENS  # and on one append
     drain_grace_s: NonNegative = 10.0  # running generations may finish within this
     # ZeroMQ high-water marks (messages per peer) and the per-client backlog the
-    # broker holds once a client's pipe is full (see docs/operations.md).
+    # broker holds once a client's pipe is full (see docs/operations.md). The
+    # marks bound what one peer can queue: at 10000 a hostile flood from
+    # peers that then vanish grew the broker ~1 KB a frame (bench fuzz).
     frontend_hwm: Annotated[int, msgspec.Meta(ge=1)] = 1000
-    backend_hwm: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    backend_hwm: Annotated[int, msgspec.Meta(ge=1)] = 1000
     client_backlog: Annotated[int, msgspec.Meta(ge=1)] = 256
 
     def __post_init__(self) -> None:

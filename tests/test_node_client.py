@@ -1,6 +1,7 @@
 """Runs the Node client's `node --test` suite (clients/typescript) against a
 real stack, with a Python client chatting on the same daemon at the same
-time; then its destructive worker-lost test on its own."""
+time; then its destructive worker-lost test on its own; and its CURVE suite
+against a stack whose tcp frontend checks client keys."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import zmq.auth
 
 from kvmux.client import Client
 
@@ -61,3 +63,33 @@ def test_node_suite_beside_a_python_client(stack_factory, node_package):
     lost = node_test(node_package, ["dist/test/worker-lost.test.js"], stack.frontend, KVMUX_KILL_WORKER="1")
     output, _ = lost.communicate(timeout=NODE_TIMEOUT_S)
     assert lost.returncode == 0 and "skipped 0" in output, f"{output}\n{stack.logs()}"
+
+
+def test_node_chats_over_curve(stack_factory, node_package):
+    stack = stack_factory(workers=1, slabs=2, curve=True)
+
+    def keys(name: str) -> tuple[str, str]:
+        public, secret = zmq.auth.load_certificate(stack.keys / f"{name}.key_secret")
+        return public.decode(), secret.decode()
+
+    server_key, _ = keys("server")
+    alice, bob = keys("clients/alice"), keys("clients/bob")
+    node = node_test(
+        node_package,
+        ["dist/test/curve.test.js"],
+        stack.frontend,
+        KVMUX_SERVER_KEY=server_key,
+        KVMUX_PUBLIC_KEY=alice[0],
+        KVMUX_SECRET_KEY=alice[1],
+        KVMUX_OTHER_PUBLIC_KEY=bob[0],
+        KVMUX_OTHER_SECRET_KEY=bob[1],
+    )
+    try:
+        output, _ = node.communicate(timeout=NODE_TIMEOUT_S)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert node.returncode == 0, f"{output}\n{stack.logs()}"
+    assert "# fail 0" in output or "ℹ fail 0" in output, output
+    assert "skipped 0" in output, output  # the CURVE tests really ran

@@ -5,10 +5,11 @@
  * control, so a slow consumer holds at most `credit` chunks in memory.
  */
 
-import { Dealer } from "zeromq";
+import { curveKeyPair, Dealer } from "zeromq";
 
 import { decode, decodeEnvelope, encodeStruct, envelope, REPLY_TAGS } from "./codec.js";
 import { fromReply, Internal, KvmuxError, MalformedFrame, SessionNotFound, Timeout } from "./errors.js";
+import { clientKeys } from "./keys.js";
 import { defaultFrontend } from "./paths.js";
 import { Queue } from "./queue.js";
 import {
@@ -19,6 +20,7 @@ import {
   type ChatMessage,
   type Chunk,
   type Closed,
+  type Drain,
   type ErrorReply,
   type GenerateResult,
   type OpenSession,
@@ -41,6 +43,16 @@ export interface CallOptions {
 }
 export interface ClientOptions {
   timeoutMs?: number;
+  /** The broker's CURVE public key (z85, 40 characters, or the path of its
+   * `server.key` file): turns CURVE on (authenticated, encrypted). */
+  serverKey?: string;
+  /** This client's CURVE public key (z85 or a `NAME.key` path); optional:
+   * `secretKey` supplies it. */
+  publicKey?: string;
+  /** This client's CURVE secret key (z85 or a `NAME.key_secret` path, which
+   * holds both keys). Without it, a throwaway key pair: a broker that checks
+   * client keys refuses it. */
+  secretKey?: string;
 }
 /** OpenSession's fields; `sampling` holds the session's defaults, and the flat
  * sampling keys (maxTokens, temperature, ...) are merged into it. */
@@ -82,6 +94,8 @@ function pickSampling(options: Sampling): Sampling {
 export class Client {
   readonly endpoint: string;
   readonly timeoutMs: number;
+  /** Whether the connection uses CURVE (`serverKey` was given). */
+  readonly curve: boolean;
   private readonly socket: Dealer;
   private readonly calls = new Map<number, Queue<Frame>>();
   private readonly sessions = new Set<Session>();
@@ -89,11 +103,14 @@ export class Client {
   private sending: Promise<unknown> = Promise.resolve();
   private nextId = 1;
   private closed = false;
+  private heard = false; // any frame from the broker yet: a silent one may have refused our keys
 
   constructor(endpoint?: string, options: ClientOptions = {}) {
     this.endpoint = endpoint ?? defaultFrontend();
     this.timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
-    this.socket = new Dealer({ linger: 0, sendTimeout: this.timeoutMs });
+    const keys = clientKeys(options, curveKeyPair); // throws InvalidArgument before any socket exists
+    this.curve = keys !== undefined;
+    this.socket = new Dealer({ linger: 0, sendTimeout: this.timeoutMs, ...keys });
     this.socket.connect(this.endpoint);
     this.reader = this.read();
   }
@@ -131,6 +148,12 @@ export class Client {
 
   ping(options: CallOptions = {}): Promise<Pong> {
     return this.call(Op.PING, "", "Ping", {}, options.timeoutMs);
+  }
+
+  /** Ask the broker to stop admitting sessions and shut down gracefully
+   * (an admin op: an ordinary key is refused with Forbidden). */
+  drain(options: CallOptions & Drain = {}): Promise<Ack> {
+    return this.call(Op.DRAIN, "", "Drain", { graceS: options.graceS }, options.timeoutMs);
   }
 
   /** Close this client's open sessions (best effort), then the socket. */
@@ -172,7 +195,8 @@ export class Client {
       await this.post(frames);
     } catch (err) {
       this.calls.delete(requestId);
-      throw new Timeout(`could not send ${op}: ${String(err)}`, { requestId, sessionId });
+      const hint = this.silence();
+      throw new Timeout(`could not send ${op}: ${String(err)}${hint ? `: ${hint}` : ""}`, { requestId, sessionId });
     }
     return [requestId, queue];
   }
@@ -189,8 +213,19 @@ export class Client {
     const ms = timeoutMs ?? this.timeoutMs;
     return queue.shift(ms, () => {
       this.calls.delete(requestId);
-      return new Timeout(`no reply to ${what} within ${ms} ms`, { requestId, sessionId: sessionId || undefined });
+      const hint = this.silence();
+      const message = hint ? `no answer from ${this.endpoint} within ${ms / 1000}s: ${hint}` : `no reply to ${what} within ${ms} ms`;
+      return new Timeout(message, { requestId, sessionId: sessionId || undefined });
     }, signal);
+  }
+
+  /** Why a broker never heard from may be silent: a failed CURVE handshake
+   * looks, from here, just like a broker that is not there. */
+  private silence(): string {
+    if (this.heard) return "";
+    if (this.curve) return "is the server key right, and is our key allowed?";
+    if (this.endpoint.startsWith("tcp://")) return "is it running, and does the server require CURVE keys (serverKey)?";
+    return "";
   }
 
   /** @internal */
@@ -208,6 +243,7 @@ export class Client {
   }
 
   private dispatch(env: Uint8Array, raw: Uint8Array | undefined): void {
+    this.heard = true;
     let op: string, requestId: number, sessionId: string;
     try {
       [, op, requestId, sessionId] = decodeEnvelope(env);

@@ -30,6 +30,8 @@ export class KvmuxError extends Error {
 export class SessionNotFound extends KvmuxError { static override readonly code = "session_not_found"; }
 export class SessionExpired extends KvmuxError { static override readonly code = "session_expired"; }
 export class SessionCorrupt extends KvmuxError { static override readonly code = "session_corrupt"; }
+/** An op that changes the daemon (drain) from an identity that is not admin. */
+export class Forbidden extends KvmuxError { static override readonly code = "forbidden"; }
 export class InvalidArgument extends KvmuxError { static override readonly code = "invalid_argument"; }
 export class MalformedFrame extends KvmuxError { static override readonly code = "malformed_frame"; }
 export class UnknownOp extends KvmuxError { static override readonly code = "unknown_op"; }
@@ -39,12 +41,13 @@ export class WorkerLost extends KvmuxError { static override readonly code = "wo
 export class Cancelled extends KvmuxError { static override readonly code = "cancelled"; }
 export class VersionMismatch extends KvmuxError { static override readonly code = "version_mismatch"; }
 export class FrameTooLarge extends KvmuxError { static override readonly code = "frame_too_large"; }
-/** No reply within the call's timeout (a stream's: per frame). */
+/** No reply within the call's timeout (a stream's: per frame); from a broker
+ * never heard from, the message says why it may be silent (CURVE keys). */
 export class Timeout extends KvmuxError { static override readonly code = "timeout"; }
 export class Internal extends KvmuxError { static override readonly code = "internal"; }
 
 export const ERRORS: Record<string, typeof KvmuxError> = Object.fromEntries(
-  [SessionNotFound, SessionExpired, SessionCorrupt, InvalidArgument, MalformedFrame, UnknownOp, Busy, Overloaded, WorkerLost,
+  [SessionNotFound, SessionExpired, SessionCorrupt, Forbidden, InvalidArgument, MalformedFrame, UnknownOp, Busy, Overloaded, WorkerLost,
     Cancelled, VersionMismatch, FrameTooLarge, Timeout, Internal].map((cls) => [cls.code, cls]),
 );
 

@@ -8,5 +8,7 @@ export { ChatStream, Client, DEFAULT_CREDIT, DEFAULT_TIMEOUT_MS, Session } from 
 export type { AppendOptions, CallOptions, ClientOptions, GenerateOptions, OpenOptions } from "./client.js";
 export { camel, decode, decodeEnvelope, encodeStruct, envelope, snake } from "./codec.js";
 export * from "./errors.js";
+export { curvePublic, isZ85Key, keyPair, loadCertificate, publicKey, z85Decode, z85Encode } from "./keys.js";
+export type { Certificate } from "./keys.js";
 export { defaultFrontend, runtimeDir } from "./paths.js";
 export * from "./schema.js";
