@@ -51,3 +51,10 @@ def test_launchd_plist_is_valid_and_runs_serve(system):
     assert job["Label"] == "com.kvmux.daemon"
     assert job["ProgramArguments"][1:] == ["-m", "kvmux.cli", "serve", "--workers", "2"]
     assert job["KeepAlive"] == {"SuccessfulExit": False}
+    assert job["ThrottleInterval"] == 10  # a failing daemon is not restarted in a tight loop
+    if system:  # never root: a dedicated role account, its state under /var/lib/kvmux
+        assert job["UserName"] == job["GroupName"] == "_kvmux"
+        assert job["EnvironmentVariables"]["KVMUX_STATE_DIR"] == "/var/lib/kvmux/state"
+        assert job["EnvironmentVariables"]["KVMUX_RUNTIME_DIR"] == "/var/lib/kvmux/run"
+    else:
+        assert "UserName" not in job
