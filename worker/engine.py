@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -28,14 +28,18 @@ from kvmux.protocol import (
     StopReason,
 )
 
-from . import batch
+from . import forward
 from .conversation import Conversation
 from .model import LoadedModel
 from .slab import SlabCache, live_bytes, make_slab
 from .stops import StopMatcher
 
 DEFAULT_MAX_TOKENS = 256
-PREFILL_CHUNK = 128  # tokens per prefill step: bounds cancel and interleave latency
+PREFILL_CHUNK = 128  # tokens per prefill step when no other session is decoding
+# ... and when others are: a pass with 16 prefill tokens costs about twice
+# a decode-only pass (bench/results/engine.json), so streams slow down at
+# most that much while a long history goes in.
+PREFILL_SHARE = 16
 
 
 @dataclass
@@ -80,12 +84,14 @@ class GenerationParams:
 
 
 @dataclass
-class DecodeStep:
-    """A decode step's ask: run `token` (a lazy 1-element array) through the
-    session's slab and send back the logits that follow it."""
+class Step:
+    """A job's ask at a boundary: run `tokens` (a decode step's one lazy
+    token, or a prefill chunk) through the session's slab and send back the
+    logits after the last; the scheduler runs every job's step in one pass."""
 
     session: Session
-    token: mx.array
+    tokens: mx.array
+    decode: bool
 
 
 @dataclass
@@ -114,7 +120,7 @@ class Engine:
         self.max_tokens_limit = max_tokens_limit
         self.max_append_tokens = max_append_tokens
         self.eos = set(self.tokenizer.eos_token_ids)
-        self.batching = batch.supports_batching(self.model)
+        self.shared_passes = forward.supported(self.model)  # sessions share forward passes
 
     # ------------------------------------------------------------ sessions
 
@@ -184,19 +190,22 @@ class Engine:
     # ------------------------------------------------------------ compute
 
     def _forward(self, session: Session, tokens: mx.array) -> mx.array:
+        if self.shared_passes:
+            return forward.forward(self.model, [forward.Segment(tokens, session.slab)])[0]
         return self.model(tokens[None], cache=session.slab)[:, -1, :]
 
-    def prefill(self, session: Session) -> Iterator[None]:
-        """Run the session's pending tokens through its slab, a chunk per
-        step. What a cancel leaves pending goes in with the next append or
-        generate."""
-        while session.pending:
-            chunk = session.pending[:PREFILL_CHUNK]
-            session.logits = self.run_chunk(session, chunk)
-            session.history.extend(chunk)
-            session.replay.append(len(chunk))
-            del session.pending[: len(chunk)]
-            yield
+    def prefill(self, session: Session, chunk: Callable[[], int], should_stop: Callable[[], bool]):
+        """Run the session's pending tokens through its slab, `chunk()`
+        tokens per step (a coroutine like `decode`). What a stop leaves
+        pending goes in with the next append or generate."""
+        while session.pending and not should_stop():
+            tokens = session.pending[: chunk()]
+            logits = yield Step(session, mx.array(tokens), decode=False)
+            mx.eval(logits, [layer.state for layer in session.slab])
+            session.logits = logits
+            session.history.extend(tokens)
+            session.replay.append(len(tokens))
+            del session.pending[: len(tokens)]
 
     def run_chunk(self, session: Session, tokens: list[int]) -> mx.array:
         """Run tokens through the slab as one chunk; the logits after the last."""
@@ -213,9 +222,9 @@ class Engine:
     ):
         """Sample up to max_tokens tokens, each run through the slab.
 
-        A coroutine: it yields a `DecodeStep` per token and is sent back the
+        A coroutine: it yields a `Step` per token and is sent back the
         logits that follow it, so the scheduler can run one forward pass for
-        every session decoding at that moment (`forward_batch`). Returns
+        every session with work at that moment (`forward_batch`). Returns
         (StopReason, generated text). As in mlx-lm's generate_step, the next token is
         computed asynchronously while this one is detokenized and sent.
         """
@@ -234,7 +243,7 @@ class Engine:
         stops = StopMatcher(params.stop)
         y = sample(session.logits, 0)
         for step in range(params.max_tokens):
-            logits = yield DecodeStep(session, y)
+            logits = yield Step(session, y, decode=True)
             y_next = sample(logits, step + 1)
             mx.async_eval(y_next)
             token = y.item()
@@ -264,12 +273,9 @@ class Engine:
                 return reason, detok.text
             y = y_next
 
-    def forward_batch(self, steps: list[DecodeStep]) -> list[mx.array]:
-        """The logits after each step's token, in one batched pass where the
-        model allows it (lazy: computed when a session samples from them)."""
-        if len(steps) > 1 and self.batching:
-            logits = batch.forward(
-                self.model, mx.concatenate([s.token for s in steps]), [s.session.slab for s in steps]
-            )
-            return [logits[i : i + 1] for i in range(len(steps))]
-        return [self._forward(s.session, s.token) for s in steps]
+    def forward_batch(self, steps: list[Step]) -> list[mx.array]:
+        """The logits after each step's tokens, in one shared pass where the
+        model allows it (lazy: computed when a session reads them)."""
+        if len(steps) > 1 and self.shared_passes:
+            return forward.forward(self.model, [forward.Segment(s.tokens, s.session.slab) for s in steps])
+        return [self._forward(s.session, s.tokens) for s in steps]

@@ -20,7 +20,7 @@ from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
 from kvmux.store import Store
 
 from . import control, durable
-from .engine import Decoded, DecodeStep, Engine, Session
+from .engine import PREFILL_CHUNK, PREFILL_SHARE, Decoded, Engine, Session, Step
 from .slab import SlabPool
 
 log = logs.get("worker.scheduler")
@@ -36,7 +36,8 @@ class Job:
     route: bytes
     request_id: int
     steps: Generator | None = None
-    decode_step: DecodeStep | None = None  # what the job asked for at its last boundary
+    ask: Step | None = None  # what the job asked for at its last boundary
+    decoding: bool = False  # its last ask was a decode step
     logits: mx.array | None = None  # the answer, sent into `steps` when it resumes
     cancelled: bool = False
     credit: int = 0  # Generate.credit: chunks that may be unacknowledged; 0 = no flow control
@@ -61,6 +62,7 @@ class Scheduler:
     draining: bool = False
     stopping: bool = False
     reported: control.Status | None = None  # the last STATUS sent to the I/O thread
+    chunk: int = PREFILL_CHUNK  # prefill tokens per step in this round
 
     # ------------------------------------------------------------ plumbing
 
@@ -88,15 +90,19 @@ class Scheduler:
             while self.pipe.poll(timeout):
                 self.dispatch(self.pipe.recv_multipart())
                 timeout = 0
-            decoding = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
-            if decoding:
-                self.forward_pass(decoding)
+            # Prefill chunks shrink while other sessions decode: they share
+            # the pass, and a long history must not stall the streams.
+            self.chunk = PREFILL_SHARE if any(job.decoding for job in runnable) else PREFILL_CHUNK
+            asking = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
+            if asking:
+                self.forward_pass(asking)
             self.report_status()
 
     def forward_pass(self, jobs: list[Job]) -> None:
-        """One forward pass for every session that is decoding now."""
+        """One forward pass for every job's step: decode tokens and prefill
+        chunks together."""
         try:
-            steps = self.engine.forward_batch([job.decode_step for job in jobs])
+            steps = self.engine.forward_batch([job.ask for job in jobs])
             for job, logits in zip(jobs, steps, strict=True):
                 job.logits = logits
         except Exception as exc:
@@ -108,13 +114,13 @@ class Scheduler:
                 )
 
     def step(self, job: Job) -> bool:
-        """Resume a job up to its next boundary; True if it asks for a DecodeStep."""
-        job.decode_step = None
+        """Resume a job up to its next boundary; True if it asks for a Step."""
+        job.ask = None
         try:
             out = job.steps.send(job.logits)
             job.logits = None
-            if isinstance(out, DecodeStep):
-                job.decode_step = out
+            if isinstance(out, Step):
+                job.ask, job.decoding = out, out.decode
                 return True
         except StopIteration:
             self.finish(job)
@@ -155,6 +161,9 @@ class Scheduler:
                     self.save(session, snapshot=True)
                 except OSError as exc:
                     log.error("session_save_failed", session=session.id, error=str(exc))
+
+    def prefill_chunk(self) -> int:
+        return self.chunk
 
     # ------------------------------------------------------------ requests
 
@@ -315,13 +324,12 @@ class Scheduler:
 
         def steps(job: Job):
             started = time.perf_counter()
-            for _ in self.engine.prefill(session):
-                yield
-                if job.cancelled:
-                    raise ProtocolError(
-                        ErrorCode.CANCELLED,
-                        f"append cancelled; {len(session.pending)} tokens stay queued for the next call",
-                    )
+            yield from self.engine.prefill(session, self.prefill_chunk, lambda: job.cancelled)
+            if job.cancelled:
+                raise ProtocolError(
+                    ErrorCode.CANCELLED,
+                    f"append cancelled; {len(session.pending)} tokens stay queued for the next call",
+                )
             self.complete(
                 job,
                 p.Appended(
@@ -356,10 +364,7 @@ class Scheduler:
         def steps(job: Job):
             queued = len(session.pending)
             started = time.perf_counter()
-            for _ in self.engine.prefill(session):
-                yield
-                if job.cancelled:
-                    break
+            yield from self.engine.prefill(session, self.prefill_chunk, lambda: job.cancelled)
             prefill_s = time.perf_counter() - started
             prompt_tokens = queued - len(session.pending)
             reason, text, completion, decode_s = StopReason.CANCELLED, "", 0, 0.0
@@ -380,7 +385,7 @@ class Scheduler:
                 )
                 session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
                 if reason is not StopReason.CANCELLED or completion:
-                    yield from self.engine.prefill(session)
+                    yield from self.engine.prefill(session, self.prefill_chunk, lambda: False)
             self.complete(
                 job,
                 p.GenerateResult(

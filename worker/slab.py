@@ -4,36 +4,91 @@ forever plus the last `window`), and the fixed pool they come from."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
 
 class SlabCache(RotatingKVCache):
-    """mlx-lm's RotatingKVCache, mended where a session cache needs more:
+    """mlx-lm's RotatingKVCache, with one attention rule for every token: a
+    query at position P sees the sink and the last `window` positions up to
+    P, itself included, whether its token came alone or inside a chunk (a
+    single decode step always did; the stock multi-token path let a chunk's
+    later tokens see `sink` more and hid the sink from most of the chunk).
 
-    - A multi-token update past the window returns `max_size + S - 1` keys so
-      every new token sees a full window, and the stock cache then *keeps*
-      that larger buffer until the next single-token step. Here the stored
-      arrays are trimmed back to `max_size` at once: memory stays bounded
-      whatever the chunking.
-    - The stock mask for a multi-token update past the window hides the sink
-      tokens from most of the chunk, while a single-token step sees them.
-      Here the sink columns stay visible, as StreamingLLM intends.
+    A multi-token update writes the new tokens into the ring in place and
+    returns the slab as it stood plus the new keys, which `make_mask` masks
+    by the position each slot holds: one copy of the slab where the stock
+    path made three (temporal reorder, concatenation, trim back), and the
+    stored arrays never exceed `max_size`. worker/attention.py attends over
+    the same two blocks without even that copy.
     """
 
-    def _update_concat(self, keys, values):
-        keys_out, values_out = super()._update_concat(keys, values)
-        excess = self.keys.shape[2] - self.max_size
-        if excess > 0:
-            self.keys = self._trim(excess, self.keys)
-            self.values = self._trim(excess, self.values)
-            self._idx = self.max_size
-        return keys_out, values_out
+    @property
+    def window(self) -> int:
+        return self.max_size - self.keep
+
+    def positions(self) -> np.ndarray:
+        """The position each stored slot holds (-1: not written yet)."""
+        slots = self.keys.shape[2]
+        if self.offset <= slots and self._idx == self.offset:  # not wrapped: slot i holds position i
+            pos = np.arange(slots)
+            pos[self.offset :] = -1
+            return pos
+        # Wrapped: the sink, then a ring whose newest entry sits just before
+        # _idx (mlx-lm's convention, whatever chunking led here).
+        slot = np.arange(slots)
+        back = (self._idx - 1 - slot) % self.window
+        return np.where(slot < self.keep, slot, self.offset - 1 - back)
+
+    def visible(self, n: int, window: int | None = None) -> np.ndarray:
+        """(n, stored slots + n) bool: what each of `n` new tokens may see of
+        the slab as it stands followed by the new tokens themselves."""
+        query = self.offset + np.arange(n)
+        key = query if self.keys is None else np.concatenate([self.positions(), query])
+        window = min(self.window, window or self.window)
+        q, k = query[:, None], key[None, :]
+        return (k >= 0) & (k <= q) & ((k < self.keep) | (k > q - window))
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Store new tokens in the ring, in place, a contiguous run of slots
+        at a time (mlx-lm's single-token update, generalised)."""
+        total, done = keys.shape[2], 0
+        while done < total:
+            if self.keys is None or (self._idx >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+                grow = min(total - done, self.max_size - self.offset)  # decode steps grow by `step`
+                shape = (*keys.shape[:2], grow)
+                new_k = mx.zeros((*shape, keys.shape[3]), keys.dtype)
+                new_v = mx.zeros((*shape, values.shape[3]), values.dtype)
+                if self.keys is None:
+                    self.keys, self.values = new_k, new_v
+                else:
+                    self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                    self.values = mx.concatenate([self.values, new_v], axis=2)
+            if self._idx == self.max_size:
+                self._idx = self.keep
+            run = min(total - done, self.keys.shape[2] - self._idx)
+            self.keys[..., self._idx : self._idx + run, :] = keys[..., done : done + run, :]
+            self.values[..., self._idx : self._idx + run, :] = values[..., done : done + run, :]
+            self._idx += run
+            self.offset += run
+            done += run
+
+    def update_and_fetch(self, keys, values):
+        if keys.shape[2] == 1:
+            return self._update_in_place(keys, values)
+        if self.keys is None:
+            self.write(keys, values)
+            return keys, values
+        out_k = mx.concatenate([self.keys, keys], axis=2)
+        out_v = mx.concatenate([self.values, values], axis=2)
+        # Written once copied out: the update reuses the stored buffer in place.
+        self.write(*mx.depends([keys, values], [out_k, out_v]))
+        return out_k, out_v
 
     def make_mask(self, N, window_size=None, return_array=False):
-        mask = super().make_mask(N, window_size=window_size, return_array=return_array)
-        if isinstance(mask, mx.array) and N > 1 and self.keep:
-            mask = mask | (mx.arange(mask.shape[-1]) < self.keep)
-        return mask
+        if N == 1:
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        return mx.array(self.visible(N, window_size))
 
     @property
     def dropped(self) -> int:

@@ -1,0 +1,135 @@
+"""Sessions sharing forward passes (worker/forward.py): what a session gets
+in a pass with others, at a full window, and while another session's long
+history goes in (docs/design.md, "Shared passes")."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvmux.client import Client
+
+# Greedy tokens are identical alone and batched except where the model's top
+# two candidates are within rounding of each other (docs/design.md): a logit
+# margin this small is a tie that the order of a sum can break.
+NEAR_TIE = 0.05
+
+PROMPTS = [
+    "Write a long story about a lighthouse keeper and a storm.",
+    "Explain how bread rises, step by step, in detail.",
+    "Describe a walk through a busy market in the morning.",
+    "List the planets and say one thing about each.",
+    "Tell a story about a robot learning to paint.",
+    "Explain why the sea is salty, at length.",
+    "Describe the life of a honey bee through a year.",
+    "Write a letter from a sailor to his family.",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The worker's own model and forward pass, in this process, to read the
+    logits at a point where a batched session and the same session alone
+    parted."""
+    from kvmux.worker.model import load
+
+    return load().model
+
+
+def logit_margin(model, history: list[int], window: int, sink: int, a: int, b: int) -> float:
+    import mlx.core as mx
+
+    from kvmux.worker.forward import Segment, forward
+    from kvmux.worker.slab import make_slab
+
+    slab = make_slab(len(model.layers), sink, window)
+    for at in range(0, len(history), 128):
+        logits = forward(model, [Segment(mx.array(history[at : at + 128]), slab)])[0]
+    return abs(logits[0, a].item() - logits[0, b].item())
+
+
+def decode(session, max_tokens: int) -> list[int]:
+    return [t for chunk in session.generate(max_tokens=max_tokens, temperature=0.0) for t in chunk.token_ids]
+
+
+def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(stack_factory, hf_tokenizer, model):
+    """8 sessions, each past its window (sinks and windows differ), decode
+    220 tokens together and then alone: the same tokens, or, where rounding
+    broke a near tie, the same tokens up to that tie."""
+    stack = stack_factory(workers=1, slabs=8)
+    shapes = [(4, 96 + 16 * i) if i % 2 else (0, 128 + 8 * i) for i in range(8)]
+    # Plain text to continue (no chat turn to end), longer than any window.
+    prompts = [hf_tokenizer.encode(" ".join(f"{p} Part {k}." for k in range(12))) for p in PROMPTS]
+    tokens = 220
+    with Client(stack.frontend, timeout=300) as client:
+        sessions = [client.open_session(sink=s, window=w) for s, w in shapes]
+        for session, ids in zip(sessions, prompts, strict=True):
+            session.append(token_ids=ids)
+        histories = [s.info(token_ids=True).token_ids for s in sessions]
+        together: dict[int, list[int]] = {}
+        threads = [
+            threading.Thread(target=lambda i=i: together.__setitem__(i, decode(sessions[i], tokens))) for i in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for session in sessions:
+            assert session.info().truncated_tokens > 0  # decoded at a full window
+            session.close()
+        alone = []
+        for (sink, window), ids in zip(shapes, prompts, strict=True):
+            with client.open_session(sink=sink, window=window) as session:
+                session.append(token_ids=ids)
+                alone.append(decode(session, tokens))
+    ties = 0
+    for i, (sink, window) in enumerate(shapes):
+        a, b = alone[i], together[i]
+        assert len(a) == len(b) or a[: min(len(a), len(b))] != b[: min(len(a), len(b))]
+        if a == b:
+            continue
+        at = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
+        margin = logit_margin(model, histories[i] + a[:at], window, sink, a[at], b[at])
+        assert margin < NEAR_TIE, f"session {i} parted at token {at} on a margin of {margin:.4f}"
+        ties += 1
+    assert ties <= 2, f"{ties} of 8 sessions parted from their run alone"
+
+
+def test_a_session_keeps_streaming_while_another_appends_a_long_history(shared_stack, hf_tokenizer):
+    """A 2,000-token append shares passes with a running stream: the stream
+    gets a token for every few prefill tokens (engine.PREFILL_SHARE), not
+    one per 128-token chunk, and keeps going after the append is in."""
+    from kvmux.worker.engine import PREFILL_SHARE
+
+    counting = hf_tokenizer.encode(", ".join(str(i) for i in range(1, 40)) + ",")  # the model counts on, no EOS
+    long_text = " ".join(f"Item {i} is a small grey stone from the river bank." for i in range(170))
+    arrivals: list[float] = []
+    result = {}
+    with (
+        Client(shared_stack.frontend, timeout=300) as client,
+        client.open_session() as streaming,
+        client.open_session() as appending,
+    ):
+        streaming.append(token_ids=counting)
+        stream = streaming.generate(max_tokens=400, temperature=0.0)
+        next(stream)
+
+        def append():
+            result["started"] = time.monotonic()
+            result["reply"] = appending.append([{"role": "user", "content": long_text}])
+            result["ended"] = time.monotonic()
+
+        worker = threading.Thread(target=append)
+        worker.start()
+        for _chunk in stream:
+            arrivals.append(time.monotonic())
+        worker.join()
+    appended = result["reply"].new_tokens
+    assert appended >= 2000
+    assert arrivals[-1] > result["ended"]  # the stream outlived the append
+    during = [t for t in arrivals if result["started"] < t < result["ended"]]
+    # One stream token per pass and one pass per PREFILL_SHARE prefill
+    # tokens; half of that leaves room for the passes at the append's edges.
+    assert len(during) >= appended // PREFILL_SHARE // 2, (len(during), appended)
