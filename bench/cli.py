@@ -1,4 +1,4 @@
-"""`kvmux bench soak | perf | report`. Heavy imports (matplotlib, MLX,
+"""`kvmux bench soak | perf | engine | ... | report`. Heavy imports (matplotlib, MLX,
 transformers) happen inside the commands."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def soak(
     turn_spacing_s: float = typer.Option(0.0, help="Pause between a session's turns."),
     sessions: int = typer.Option(1, help="Concurrent sessions."),
     max_tokens: int = typer.Option(16, help="Reply length per turn."),
-    window: int = typer.Option(256, help="Session window (tokens kept after the sink)."),
+    window: int = typer.Option(2048, help="Session window (tokens kept after the sink); 2048 is the serve default."),
     sink: int | None = typer.Option(None, help="Session sink (default: the worker's)."),
     system: str | None = typer.Option(None, help="System prompt (default: the chat template's)."),
     baseline: str | None = typer.Option(None, help="'reprefill': also run each turn as a stateless server would."),
@@ -98,9 +98,11 @@ def soak(
 def perf(
     model: str | None = typer.Option(None, help="GGUF file or mlx-lm directory (default: embedded SmolLM2)."),
     decode_tokens: int = typer.Option(48, help="Tokens per decode measurement."),
-    window: int = typer.Option(256, help="Session window (and the bare cache's size, plus the sink)."),
+    window: int = typer.Option(
+        2048, help="Session window (and the bare cache's size, plus the sink); 2048 is the serve default."
+    ),
     sink: int = typer.Option(4, help="Session sink."),
-    sessions: str = typer.Option("1,2,4,8", help="Concurrent session counts for sessions_throughput."),
+    sessions: str = typer.Option("1,2,4,8,16", help="Concurrent session counts for sessions_throughput."),
     session_tokens: int = typer.Option(24, help="Tokens each concurrent session generates."),
     prefill_tokens: int = typer.Option(256, help="Prompt length for the prefill comparison."),
     repeats: int = typer.Option(2, help="Runs per measurement; the best is kept."),
@@ -132,6 +134,61 @@ def perf(
     doc = run(cfg, output)
     png = plot.plot_perf(doc, output.with_suffix(".png"))
     typer.echo(json.dumps(doc["ratios"], indent=1))
+    typer.echo(f"report: {output}\nplot: {png}")
+
+
+@bench_app.command()
+def engine(
+    model: str | None = typer.Option(None, help="GGUF file or mlx-lm directory (default: embedded SmolLM2)."),
+    windows: str = typer.Option("2048,256", help="Windows to measure at (2048: the serve default)."),
+    sink: int = typer.Option(4, help="Session sink."),
+    repeats: int = typer.Option(5, help="Interleaved A/B pairs per ratio."),
+    decode_tokens: int = typer.Option(16, help="Tokens per decode measurement."),
+    sessions: str = typer.Option("8,16", help="Session counts for the shared-pass ratios (against 1)."),
+    output: Path = typer.Option(Path("engine.json"), help="Report path."),
+) -> None:
+    """The engine where sessions live: full window vs empty, shared passes vs one, worker vs stock mlx-lm."""
+    from kvmux import logs
+    from kvmux.worker.preload import ensure_preloaded
+
+    ensure_preloaded()  # measure with the worker's BLAS (re-execs once)
+    logs.configure()
+    from .engine import EngineConfig, run, summary
+
+    cfg = EngineConfig(
+        windows=tuple(int(w) for w in windows.split(",")),
+        sink=sink,
+        repeats=repeats,
+        decode_tokens=decode_tokens,
+        sessions=tuple(int(n) for n in sessions.split(",")),
+        model=model,
+    )
+    doc = run(cfg, output)
+    _print_summary("engine (median ratio, min-max)", summary(doc), None)
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
+def peers(
+    turns: int = typer.Option(400, help="Turns of the long conversation."),
+    max_tokens: int = typer.Option(8, help="Reply length per turn (greedy)."),
+    concurrent: int = typer.Option(4, help="Conversations at once for the aggregate tokens/s."),
+    concurrent_turns: int = typer.Option(20, help="Turns per concurrent conversation."),
+    model_dir: Path | None = typer.Option(
+        None, help="The mlx-lm directory for mlx_lm.server (default: exported from the embedded GGUF once)."
+    ),
+    output: Path = typer.Option(Path("peers.json"), help="Report path; the plot goes next to it (.png)."),
+) -> None:
+    """kvmux against mlx_lm.server: one long conversation and concurrent ones, side by side in one run."""
+    from kvmux import logs
+
+    logs.configure()
+    from .peers import PeersConfig, default_model_dir, plot, run
+
+    cfg = PeersConfig(turns=turns, max_tokens=max_tokens, concurrent=concurrent, concurrent_turns=concurrent_turns)
+    doc = run(cfg, output, model_dir or default_model_dir())
+    png = plot(doc, output.with_suffix(".png"))
+    typer.echo(json.dumps(doc["summary"], indent=1))
     typer.echo(f"report: {output}\nplot: {png}")
 
 

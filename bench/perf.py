@@ -8,16 +8,22 @@ by side in one run on the same model.
 - broker_overhead: see roundtrip.py; ipc and tcp.
 - sessions_throughput: aggregate generated tokens/s of 1, 2, 4, 8 concurrent
   sessions, relative to 1.
+- prefill_stall: inter-token latency p99 of 2 streams while another session
+  appends 2,000 tokens, against the same streams alone, in interleaved
+  pairs (median, min, max of the ratio).
 - vs_transformers: prefill and decode tokens/s of the worker's engine (the
   timings its replies carry) against transformers/PyTorch CPU on the same
   GGUF and the same prompt tokens, where torch is installed.
 
-Each measurement is the best of `repeats` (the cores are shared: the best
-run is the one least disturbed).
+Each other measurement is the best of `repeats` (the cores are shared: the
+best run is the one least disturbed). `--window` sets the sessions' window:
+2048 is the serve default, 256 a short one; the report says which.
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +34,7 @@ from tqdm import tqdm
 from kvmux.client import Client
 
 from . import bare, hf, roundtrip, spawn
-from .report import ReportWriter
+from .report import ReportWriter, percentile
 
 STORY = "Write a long story about a dragon who learns to bake bread in a small mountain village."
 PASSAGE = (
@@ -41,9 +47,9 @@ PASSAGE = (
 class PerfConfig:
     model: str | None = None
     decode_tokens: int = 48
-    window: int = 256
+    window: int = 2048  # the serve default
     sink: int = 4
-    sessions: tuple[int, ...] = (1, 2, 4, 8)
+    sessions: tuple[int, ...] = (1, 2, 4, 8, 16)
     session_tokens: int = 24
     prefill_tokens: int = 256
     repeats: int = 2
@@ -51,6 +57,10 @@ class PerfConfig:
     pipelined_frames: int = 20000
     transformers: bool = True
     timeout_s: float = 300.0
+    stall_streams: int = 2
+    stall_tokens: int = 2000
+    stall_pairs: int = 3
+    stall_normal_s: float = 6.0
 
 
 def _stream_decode(session, max_tokens: int) -> dict:
@@ -119,6 +129,68 @@ def sessions_throughput(client: Client, cfg: PerfConfig) -> dict:
     return {"session_tokens": cfg.session_tokens, "runs": rows}
 
 
+def _stream_gaps(session, stop: threading.Event, started: threading.Event) -> list[tuple[float, float]]:
+    """(arrival, gap since the previous chunk) of one stream until `stop`."""
+    arrivals = []
+    with session.generate(max_tokens=4000, temperature=0.0) as stream:
+        for _chunk in stream:
+            arrivals.append(time.perf_counter())
+            started.set()
+            if stop.is_set():
+                break
+    return [(b, b - a) for a, b in itertools.pairwise(arrivals)]
+
+
+def prefill_stall(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dict:
+    """Inter-token latency of `stall_streams` streaming sessions while no one
+    else works (A) and while another session appends `stall_tokens` tokens
+    (B), in interleaved pairs: the p99 ratio B/A, median, min and max."""
+    history = PASSAGE * (cfg.stall_tokens // 30 + 1)
+    streams = [client.open_session() for _ in range(cfg.stall_streams)]
+    for s in streams:
+        s.append(token_ids=prompt_ids)
+    pairs = []
+    try:
+        for _ in range(cfg.stall_pairs):
+            p99 = []
+            for appending in (False, True):
+                stop, started, gaps = threading.Event(), threading.Event(), []
+                threads = [
+                    threading.Thread(target=lambda s=s, g=gaps, a=stop, b=started: g.extend(_stream_gaps(s, a, b)))
+                    for s in streams
+                ]
+                for t in threads:
+                    t.start()
+                started.wait()
+                time.sleep(0.5)  # every stream under way
+                t0 = time.perf_counter()
+                if appending:
+                    with client.open_session() as other:
+                        appended = other.append([{"role": "user", "content": history}]).new_tokens
+                else:
+                    time.sleep(cfg.stall_normal_s)
+                t1 = time.perf_counter()
+                stop.set()
+                for t in threads:
+                    t.join()
+                p99.append(percentile([g for at, g in gaps if t0 < at <= t1], 99))
+            pairs.append((p99[0], p99[1]))
+    finally:
+        for s in streams:
+            s.close()
+    ratios = [b / a for a, b in pairs]
+    return {
+        "streams": cfg.stall_streams,
+        "appended_tokens": appended,
+        "itl_p99_s": [{"alone": round(a, 4), "during_append": round(b, 4)} for a, b in pairs],
+        "p99_ratio": {
+            "median": round(statistics.median(ratios), 3),
+            "min": round(min(ratios), 3),
+            "max": round(max(ratios), 3),
+        },
+    }
+
+
 def engine_prefill_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dict:
     """The worker engine's own timings (from its replies) for a long prompt."""
     best: dict = {}
@@ -142,7 +214,7 @@ def run(cfg: PerfConfig, output: Path) -> dict:
 
     writer = ReportWriter(output, "perf", asdict(cfg), every_s=0.0)
     doc = writer.doc
-    steps = tqdm(total=6, desc="perf", unit="step")
+    steps = tqdm(total=7, desc="perf", unit="step")
     loaded = model_mod.load(cfg.model)
     doc["model"] = loaded.model_id
     from kvmux.worker.preload import preloaded
@@ -163,6 +235,9 @@ def run(cfg: PerfConfig, output: Path) -> dict:
             steps.update()
             writer.write()
             doc["engine"] = engine_prefill_decode(client, long_ids, cfg)
+            steps.update()
+            writer.write()
+            doc["prefill_stall"] = prefill_stall(client, story_ids, cfg)
             steps.update()
             writer.write()
         ipc_direct = frontend.rsplit("/", 1)[0] + "/direct.ipc"
@@ -202,7 +277,9 @@ def _default_model() -> Path:
 
 def ratios(doc: dict) -> dict:
     """The headline numbers, each >1 where kvmux is faster / costs more."""
+    window = doc["config"]["window"]
     out = {
+        "window": f"{window} ({'serve default' if window == 2048 else 'short'})",
         "stack_vs_bare_decode": doc["stack_decode"]["decode_tokens_per_s"] / doc["bare_decode"]["decode_tokens_per_s"],
     }
     for transport, r in doc["broker_overhead"].items():
@@ -219,6 +296,7 @@ def ratios(doc: dict) -> dict:
             out[f"forwarded_rtt_p50_vs_direct_{transport}"] = (
                 r["forwarded_info"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
             )
+    out["prefill_stall_itl_p99_ratio"] = doc["prefill_stall"]["p99_ratio"]["median"]
     for row in doc["sessions_throughput"]["runs"]:
         out[f"sessions_{row['sessions']}_throughput_vs_1"] = row["relative_to_1"]
     if doc.get("transformers"):

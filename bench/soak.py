@@ -64,7 +64,7 @@ class SoakConfig:
     turn_spacing_s: float = 0.0
     sessions: int = 1
     max_tokens: int = 16
-    window: int = 256
+    window: int = 2048  # the serve default; --window 256 for a short one
     sink: int | None = None
     system: str | None = None
     baseline: str | None = None  # None | "reprefill"

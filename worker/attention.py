@@ -41,7 +41,6 @@ NUMPY_SOFTMAX = mx.default_device() == mx.cpu
 class _Pending:
     """One segment's attention at one layer, between scores and output."""
 
-    n_heads: int
     scores: list[mx.array]  # per block: (1, kv heads, group * n, slots)
     values: list[mx.array]  # per block: (1, kv heads, slots, head dim)
     mask: np.ndarray | None  # additive (n, slots of every block), 0 or -inf
@@ -49,52 +48,59 @@ class _Pending:
     write: tuple[SlabCache, mx.array, mx.array] | None = None  # new tokens to store once read
 
 
-def _plan(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, scale: float) -> _Pending:
-    """Scores for new tokens (rope applied) on one layer of a slab; writes
-    the new keys and values into the slab."""
-    _, n_heads, n, head_dim = queries.shape
-    kv_heads = keys.shape[1]
+def _plan(rows: mx.array, values: mx.array, cache: SlabCache, n_heads: int) -> _Pending:
+    """Scores of one segment's rows on one layer of its slab. `rows` is (n,
+    heads + kv heads, 1, D): scaled, rotated queries then keys, a token per
+    row; `values` is (n, kv heads, 1, D)."""
+    n, _, _, head_dim = rows.shape
+    kv_heads = values.shape[1]
+    if n == 1:  # a decode step: the row's layout already groups heads by KV head
+        grouped = rows[0, :n_heads].reshape(1, kv_heads, -1, head_dim)
+        ring_k, ring_v = cache.update_and_fetch(
+            rows[0, n_heads:].reshape(1, kv_heads, 1, head_dim), values.reshape(1, kv_heads, 1, head_dim)
+        )
+        return _Pending([grouped @ ring_k.swapaxes(-1, -2)], [ring_v], None, 1)
     # Heads h*g .. h*g+g-1 share KV head h: a (g*n, D) block of queries per KV head.
-    grouped = (queries * scale).reshape(1, kv_heads, -1, head_dim)
-    if n == 1:
-        ring_k, ring_v = cache.update_and_fetch(keys, values)
-        return _Pending(n_heads, [grouped @ ring_k.swapaxes(-1, -2)], [ring_v], None, 1)
+    grouped = rows[:, :n_heads].transpose(2, 1, 0, 3).reshape(1, kv_heads, -1, head_dim)
+    keys = rows[:, n_heads:].transpose(2, 1, 0, 3)
+    values = values.transpose(2, 1, 0, 3)
     mask = np.where(cache.visible(n), np.float32(0), np.float32(-np.inf))
     blocks_k, blocks_v = [keys], [values]
     if cache.keys is not None:  # the slab as it stands, then the new tokens
         blocks_k.insert(0, cache.keys)
         blocks_v.insert(0, cache.values)
     scores = [grouped @ k.swapaxes(-1, -2) for k in blocks_k]
-    return _Pending(n_heads, scores, blocks_v, mask, n, (cache, keys, values))
+    return _Pending(scores, blocks_v, mask, n, (cache, keys, values))
 
 
 def _softmax(pending: _Pending) -> list[mx.array]:
     """Probabilities per block, in NumPy on a CPU."""
+    edges = np.cumsum([b.shape[-1] for b in pending.scores])[:-1].tolist()
     if not NUMPY_SOFTMAX:
         s = mx.concatenate(pending.scores, axis=-1) if len(pending.scores) > 1 else pending.scores[0]
         if pending.mask is not None:
             s = (s.reshape(*s.shape[:2], -1, pending.n, s.shape[-1]) + mx.array(pending.mask)).reshape(s.shape)
         p = mx.softmax(s, axis=-1, precise=True)
-    else:
-        blocks = [np.asarray(s) for s in pending.scores]
-        s = np.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0].copy()
-        if pending.mask is not None:
-            shape = s.shape
-            s = (s.reshape(*shape[:2], -1, pending.n, shape[-1]) + pending.mask).reshape(shape)
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        p = mx.array(s)
-    if len(pending.scores) == 1:
-        return [p]
-    edges = np.cumsum([b.shape[-1] for b in pending.scores])[:-1].tolist()
-    return mx.split(p, edges, axis=-1)
+        return mx.split(p, edges, axis=-1) if edges else [p]
+    blocks = [np.asarray(s) for s in pending.scores]
+    s = np.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0].copy()  # ours to write in place
+    if pending.mask is not None:
+        s.reshape(*s.shape[:2], -1, pending.n, s.shape[-1])[...] += pending.mask
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s *= 1 / s.sum(axis=-1, keepdims=True)
+    # One copy into MLX per block, contiguous for the value product.
+    return [mx.array(b) for b in np.split(s, edges, axis=-1)]
 
 
-def attend_all(segments: list[tuple[mx.array, mx.array, mx.array, SlabCache]], scale: float) -> list[mx.array]:
-    """Attention output (1, heads, n, head dim) for each (queries, keys,
-    values, cache) with rope applied; every cache gets its new keys."""
-    pending = [_plan(q, k, v, cache, scale) for q, k, v, cache in segments]
+def attend_all(rows: mx.array, values: mx.array, segments: list[tuple[int, int, SlabCache]], n_heads: int) -> mx.array:
+    """The attention output (1, tokens, heads * D) of a pass: `rows` (tokens,
+    heads + kv heads, 1, D) holds every token's scaled, rotated query and
+    key, `values` (tokens, kv heads, 1, D) its value, and each (start, n,
+    cache) segment attends over its own slab, which gets its new tokens."""
+    pending = [
+        _plan(rows[start : start + n], values[start : start + n], cache, n_heads) for start, n, cache in segments
+    ]
     if NUMPY_SOFTMAX:
         mx.eval([p.scores for p in pending])
     outputs = []
@@ -103,11 +109,13 @@ def attend_all(segments: list[tuple[mx.array, mx.array, mx.array, SlabCache]], s
         out = probs[0] @ p.values[0]
         for w, v in zip(probs[1:], p.values[1:], strict=True):
             out = out + w @ v
-        outputs.append(out.reshape(1, p.n_heads, p.n, out.shape[-1]))
         if p.write:
             # Store the new tokens only after the slab was read: MLX updates
             # the slab's buffer in place, and would otherwise overwrite slots
             # this output still reads.
-            cache, keys, values = p.write
-            cache.write(*mx.depends([keys, values], [out]))
-    return outputs
+            cache, keys, new_values = p.write
+            cache.write(*mx.depends([keys, new_values], [out]))
+        # (1, kv heads, group * n, D) -> (1, n, heads * D)
+        head_dim = out.shape[-1]
+        outputs.append(out.reshape(n_heads, p.n, head_dim).transpose(1, 0, 2).reshape(1, p.n, -1))
+    return mx.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]

@@ -40,24 +40,28 @@ def forward(model: llama.Model, segments: list[Segment]) -> list[mx.array]:
     """The logits (1, vocab) after each segment's last token (lazy)."""
     lengths = [s.tokens.shape[0] for s in segments]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    total = sum(lengths)
     tokens = mx.concatenate([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
     h = model.model.embed_tokens(tokens[None])
+    offsets = [segment.slab[0].offset for segment in segments]  # every layer's, before this pass
+    positions = mx.array([offset + i for offset, n in zip(offsets, lengths, strict=True) for i in range(n)])
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        queries, keys, values = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        parts = []
-        for segment, start, n in zip(segments, starts, lengths, strict=True):
-            cache = segment.slab[index]
-
-            def heads(a: mx.array, count: int, start=start, n=n) -> mx.array:
-                return a[:, start : start + n].reshape(1, n, count, -1).transpose(0, 2, 1, 3)
-
-            q = attn.rope(heads(queries, attn.n_heads), offset=cache.offset)
-            k = attn.rope(heads(keys, attn.n_kv_heads), offset=cache.offset)
-            parts.append((q, k, heads(values, attn.n_kv_heads), cache))
-        outs = [o.transpose(0, 2, 1, 3).reshape(1, o.shape[2], -1) for o in attend_all(parts, attn.scale)]
-        h = h + attn.o_proj(mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0])
+        # Queries scaled here, once for the pass (rope is linear), then
+        # queries and keys of every token rotated in one rope call: MLX's
+        # CPU rope costs ~0.13 ms a call whatever its size.
+        rows = mx.concatenate(
+            [
+                (attn.q_proj(x) * attn.scale).reshape(total, attn.n_heads, 1, -1),
+                attn.k_proj(x).reshape(total, attn.n_kv_heads, 1, -1),
+            ],
+            axis=1,
+        )
+        rows = attn.rope(rows, offset=positions)
+        values = attn.v_proj(x).reshape(total, attn.n_kv_heads, 1, -1)
+        here = [(start, n, s.slab[index]) for start, n, s in zip(starts, lengths, segments, strict=True)]
+        h = h + attn.o_proj(attend_all(rows, values, here, attn.n_heads))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     last = mx.array([start + n - 1 for start, n in zip(starts, lengths, strict=True)])
     h = model.model.norm(h[:, last])

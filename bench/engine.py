@@ -1,0 +1,205 @@
+"""`kvmux bench engine`: the worker's engine where sessions live, in this
+process on the model the worker loads (OpenBLAS preloaded as the worker
+has it), as ratios of two sides measured in interleaved repeats (A B A B
+...), each reported as median, min and max.
+
+- decode: tokens/s at a full window against an empty cache;
+- prefill: a 24-token message at a full window against an empty cache;
+- shared passes: tokens/s of 8 and 16 sessions decoding together against
+  one, at an empty and at a full window;
+- before/after: the same decode and prefill through mlx-lm's own forward
+  pass and its stock RotatingKVCache (what the worker ran before
+  worker/attention.py), against the worker's pass.
+
+Each case runs at the serve default window (2048 + sink 4) and at a short
+one (256), and says which is which.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .report import ReportWriter
+
+MESSAGE_TOKENS = 24
+
+
+@dataclass
+class EngineConfig:
+    windows: tuple[int, ...] = (2048, 256)
+    sink: int = 4
+    repeats: int = 5
+    decode_tokens: int = 16
+    sessions: tuple[int, ...] = (8, 16)
+    model: str | None = None
+
+
+def ratio_summary(pairs: list[tuple[float, float]]) -> dict:
+    """Median, min and max of b/a over interleaved (a, b) measurements."""
+    ratios = [b / a for a, b in pairs]
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+        "a": [round(a, 4) for a, _ in pairs],
+        "b": [round(b, 4) for _, b in pairs],
+    }
+
+
+class Bench:
+    def __init__(self, cfg: EngineConfig):
+        from kvmux.worker.preload import ensure_preloaded
+
+        ensure_preloaded()
+        import mlx.core as mx
+
+        from kvmux.worker.model import load
+
+        self.mx = mx
+        self.cfg = cfg
+        self.model = load(cfg.model).model
+        self.layers = len(self.model.layers)
+
+    # ------------------------------------------------------------ slabs
+
+    def slab(self, window: int, fill: int, stock: bool = False) -> list:
+        """A slab (or mlx-lm's stock cache) holding `fill` history tokens."""
+        from mlx_lm.models.cache import RotatingKVCache
+
+        from kvmux.worker.slab import make_slab
+
+        cache = (
+            [RotatingKVCache(self.cfg.sink + window, keep=self.cfg.sink) for _ in range(self.layers)]
+            if stock
+            else make_slab(self.layers, self.cfg.sink, window)
+        )
+        ids = [(17 * i) % 30000 + 100 for i in range(fill)]
+        for at in range(0, fill, 128):
+            self.run(cache, ids[at : at + 128], stock)
+        return cache
+
+    def copy(self, slab: list) -> list:
+        """Another slab holding the same history (prefilling each full slab
+        anew would take most of the bench's time)."""
+        mx = self.mx
+        out = []
+        for layer in slab:
+            twin = type(layer)(layer.max_size, keep=layer.keep)
+            keys, values, *rest = layer.state
+            twin.state = (keys + 0, values + 0, *rest)  # own buffers: updated in place like any slab
+            out.append(twin)
+        mx.eval([c.state for c in out])
+        return out
+
+    def run(self, cache: list, tokens: list[int], stock: bool = False):
+        from kvmux.worker.forward import Segment, forward
+
+        mx = self.mx
+        if stock:
+            logits = self.model(mx.array(tokens)[None], cache=cache)[:, -1, :]
+        else:
+            logits = forward(self.model, [Segment(mx.array(tokens), cache)])[0]
+        mx.eval(logits, [c.state for c in cache])
+        return logits
+
+    def full(self, window: int) -> int:
+        return self.cfg.sink + window + 8  # the window has wrapped
+
+    # ------------------------------------------------------------ measures
+
+    def decode_tps(self, cache: list, stock: bool = False) -> float:
+        n = self.cfg.decode_tokens
+        started = time.perf_counter()
+        for i in range(n):
+            self.run(cache, [100 + i], stock)
+        return n / (time.perf_counter() - started)
+
+    def prefill_s(self, cache: list, stock: bool = False) -> float:
+        started = time.perf_counter()
+        self.run(cache, [200 + i for i in range(MESSAGE_TOKENS)], stock)
+        return time.perf_counter() - started
+
+    def shared_tps(self, slabs: list[list]) -> float:
+        """Tokens/s of len(slabs) sessions decoding in shared passes."""
+        from kvmux.worker.forward import Segment, forward
+
+        mx = self.mx
+        n = self.cfg.decode_tokens
+        started = time.perf_counter()
+        for i in range(n):
+            logits = forward(self.model, [Segment(mx.array([100 + i]), slab) for slab in slabs])
+            mx.eval(logits, [[c.state for c in slab] for slab in slabs])
+        return n * len(slabs) / (time.perf_counter() - started)
+
+    def interleaved(self, a: Callable[[], float], b: Callable[[], float], bar: tqdm) -> dict:
+        pairs = []
+        for _ in range(self.cfg.repeats):
+            pairs.append((a(), b()))
+            bar.update()
+        return ratio_summary(pairs)
+
+
+def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
+    bench = Bench(cfg)
+    writer = ReportWriter(output, "engine", asdict(cfg))
+    results: dict = {}
+    writer.doc["results"] = results
+    cases = len(cfg.windows) * (4 + 2 * len(cfg.sessions))
+    with tqdm(total=cases * cfg.repeats, desc="engine", unit="pair", disable=not progress) as bar:
+        for window in cfg.windows:
+            label = f"window_{window}" + (" (serve default)" if window == 2048 else " (short)")
+            r = results[label] = {"sink": cfg.sink, "window": window, "full_tokens": bench.full(window)}
+            # An empty cache is made afresh for each measure (a measure adds
+            # tokens); a full one stays full.
+            full = bench.slab(window, bench.full(window))
+
+            def empty(window=window):
+                return bench.slab(window, MESSAGE_TOKENS)
+
+            r["decode_full_vs_empty"] = bench.interleaved(
+                lambda: bench.decode_tps(empty()), lambda f=full: bench.decode_tps(f), bar
+            )
+            r["prefill24_full_vs_empty"] = bench.interleaved(
+                lambda: bench.prefill_s(empty()), lambda f=full: bench.prefill_s(f), bar
+            )
+            stock_full = bench.slab(window, bench.full(window), stock=True)
+            r["decode_full_worker_vs_stock"] = bench.interleaved(
+                lambda s=stock_full: bench.decode_tps(s, stock=True), lambda f=full: bench.decode_tps(f), bar
+            )
+            r["prefill24_full_worker_vs_stock"] = bench.interleaved(
+                lambda s=stock_full: bench.prefill_s(s, stock=True), lambda f=full: bench.prefill_s(f), bar
+            )
+            del stock_full, full
+            for count in cfg.sessions:
+
+                def fresh(n, empty=empty):
+                    return [empty() for _ in range(n)]
+
+                r[f"shared_{count}_vs_1_empty"] = bench.interleaved(
+                    lambda f=fresh: bench.shared_tps(f(1)), lambda f=fresh, c=count: bench.shared_tps(f(c)), bar
+                )
+                first = bench.slab(window, bench.full(window))
+                kept = [first] + [bench.copy(first) for _ in range(count - 1)]
+                r[f"shared_{count}_vs_1_full"] = bench.interleaved(
+                    lambda k=kept: bench.shared_tps(k[:1]), lambda k=kept: bench.shared_tps(k), bar
+                )
+                del kept
+            writer.write()
+    writer.write("done")
+    return writer.doc
+
+
+def summary(doc: dict) -> dict:
+    """The median ratios, one line each."""
+    out = {}
+    for label, r in doc.get("results", {}).items():
+        for key, value in r.items():
+            if isinstance(value, dict) and "median" in value:
+                out[f"{label.split()[0]} {key}"] = f"{value['median']} ({value['min']}-{value['max']})"
+    return out

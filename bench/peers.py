@@ -1,0 +1,283 @@
+"""`kvmux bench peers`: kvmux against `mlx_lm.server` (the same engine and
+model: an mlx-lm directory exported from the embedded GGUF, with the same
+OpenBLAS preload), one after the other in one run.
+
+- conversation: one long chat (default 400 turns, 8-token greedy replies).
+  kvmux gets each turn's new message on its session (serve defaults: window
+  2048 + sink 4); mlx_lm.server gets the whole history each turn, as an
+  OpenAI-style client sends it, and reuses its prompt cache. Per turn:
+  latency, the serving process's RSS, the reply.
+- concurrent: 4 such conversations at once for `concurrent_turns` turns;
+  aggregate generated tokens/s.
+
+The report compares per-turn latency (kvmux below the peer at every turn is
+the goal), memory, aggregate tokens/s, and how many replies were equal (the
+two see the same context until kvmux's window drops old turns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import spawn
+from .report import ReportWriter, percentile
+from .soak import message
+
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass
+class PeersConfig:
+    turns: int = 400
+    max_tokens: int = 8
+    concurrent: int = 4
+    concurrent_turns: int = 20
+    system: str = "Be brief."
+
+
+def rss_kb(pid: int) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def export_mlx_dir(path: Path) -> Path:
+    """The embedded model as an mlx-lm directory (float32 weights, config,
+    tokenizer), written once."""
+    if (path / "config.json").exists():
+        return path
+    from mlx_lm.utils import save_config, save_model
+
+    from kvmux.worker.model import load
+
+    loaded = load()
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + "."))
+    save_model(tmp, loaded.model, donate_model=False)
+    save_config(asdict(loaded.model.args), tmp / "config.json")
+    loaded.tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+@contextlib.contextmanager
+def mlx_lm_server(model_dir: Path, max_tokens: int) -> Iterator[tuple[str, int]]:
+    """`mlx_lm.server` on a free port (prompt cache on, its default): its
+    base URL and pid."""
+    from kvmux.worker.preload import openblas_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    if lib := openblas_path():
+        env["LD_PRELOAD"] = lib
+    log_path = Path(tempfile.mkdtemp(prefix="mlx-lm-server-")) / "server.log"
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port)]
+    cmd += ["--temp", "0", "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited: {log_path.read_text()[-2000:]}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"{url}/v1/models", timeout=2).read()
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mlx_lm.server not ready: {log_path.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_path.unlink(missing_ok=True)
+        log_path.parent.rmdir()
+
+
+def peer_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[str, int]:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": False}
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        doc = json.load(response)
+    return doc["choices"][0]["message"]["content"], doc["usage"]["completion_tokens"]
+
+
+class Kvmux:
+    """A conversation on a kvmux session: only each turn's message goes out."""
+
+    def __init__(self, client, system: str, max_tokens: int):
+        self.session = client.open_session(system=system)
+        self.max_tokens = max_tokens
+
+    def turn(self, text: str) -> tuple[str, int]:
+        stream = self.session.chat(text, max_tokens=self.max_tokens, temperature=0.0)
+        reply = "".join(chunk.text for chunk in stream)
+        return reply, stream.result.completion_tokens
+
+
+class Peer:
+    """A conversation against mlx_lm.server: the whole history every turn."""
+
+    def __init__(self, url: str, system: str, max_tokens: int):
+        self.url, self.max_tokens = url, max_tokens
+        self.messages = [{"role": "system", "content": system}]
+
+    def turn(self, text: str) -> tuple[str, int]:
+        self.messages.append({"role": "user", "content": text})
+        reply, tokens = peer_turn(self.url, self.messages, self.max_tokens)
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply, tokens
+
+
+def conversation(new: Callable[[], object], pid: int, turns: int, name: str, progress: bool) -> list[dict]:
+    chat = new()
+    rows = []
+    for turn in tqdm(range(1, turns + 1), desc=f"{name} conversation", unit="turn", disable=not progress):
+        started = time.perf_counter()
+        reply, tokens = chat.turn(message(turn))
+        rows.append(
+            {
+                "turn": turn,
+                "latency_s": round(time.perf_counter() - started, 4),
+                "rss_mb": round(rss_kb(pid) / 1024, 1),
+                "tokens": tokens,
+                "reply": reply,
+            }
+        )
+    return rows
+
+
+def concurrent(new: Callable[[], object], count: int, turns: int) -> dict:
+    chats = [new() for _ in range(count)]
+    tokens = [0] * count
+
+    def run(i: int) -> None:
+        for turn in range(1, turns + 1):
+            tokens[i] += chats[i].turn(message(turn + 7 * i))[1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - started
+    return {
+        "conversations": count,
+        "turns": turns,
+        "tokens": sum(tokens),
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(sum(tokens) / seconds, 2),
+    }
+
+
+def summarize(doc: dict) -> dict:
+    k, p = doc["kvmux"]["conversation"], doc["mlx_lm_server"]["conversation"]
+    turns = min(len(k), len(p))
+    below = sum(k[i]["latency_s"] < p[i]["latency_s"] for i in range(turns))
+    equal = [k[i]["reply"] == p[i]["reply"] for i in range(turns)]
+    first_diff = equal.index(False) + 1 if False in equal else None
+
+    def at(rows: list[dict], turn: int, key: str):
+        return rows[turn - 1][key] if turn <= len(rows) else None
+
+    marks = [t for t in (2, 20, 60, 100, 200, 300, 400) if t <= turns]
+    return {
+        "turns": turns,
+        "turns_kvmux_faster": below,
+        "latency_s": {t: {"kvmux": at(k, t, "latency_s"), "mlx_lm_server": at(p, t, "latency_s")} for t in marks},
+        "latency_p50_s": {
+            "kvmux": percentile([r["latency_s"] for r in k], 50),
+            "mlx_lm_server": percentile([r["latency_s"] for r in p], 50),
+        },
+        "rss_mb_last": {"kvmux_worker": k[-1]["rss_mb"], "mlx_lm_server": p[-1]["rss_mb"]},
+        "replies_equal": sum(equal),
+        "first_different_reply_turn": first_diff,
+        "concurrent_tokens_per_s": {
+            "kvmux": doc["kvmux"]["concurrent"]["tokens_per_s"],
+            "mlx_lm_server": doc["mlx_lm_server"]["concurrent"]["tokens_per_s"],
+        },
+    }
+
+
+def run(cfg: PeersConfig, output: Path, model_dir: Path, progress: bool = True) -> dict:
+    from kvmux.client import Client
+
+    writer = ReportWriter(output, "peers", asdict(cfg))
+    doc = writer.doc
+    with spawn.daemon(slabs=cfg.concurrent + 1) as daemon, Client(daemon.frontend, timeout=600) as client:
+        with Client(daemon.admin, timeout=10) as admin:
+            worker_pid = admin.stats().workers[0].pid
+
+        def new():
+            return Kvmux(client, cfg.system, cfg.max_tokens)
+
+        doc["kvmux"] = {"conversation": conversation(new, worker_pid, cfg.turns, "kvmux", progress)}
+        writer.write()
+        doc["kvmux"]["concurrent"] = concurrent(new, cfg.concurrent, cfg.concurrent_turns)
+        writer.write()
+    with mlx_lm_server(export_mlx_dir(model_dir), cfg.max_tokens) as (url, pid):
+
+        def new_peer():
+            return Peer(url, cfg.system, cfg.max_tokens)
+
+        doc["mlx_lm_server"] = {"conversation": conversation(new_peer, pid, cfg.turns, "mlx_lm.server", progress)}
+        writer.write()
+        doc["mlx_lm_server"]["concurrent"] = concurrent(new_peer, cfg.concurrent, cfg.concurrent_turns)
+    doc["summary"] = summarize(doc)
+    writer.write("done")
+    return doc
+
+
+def plot(doc: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (lat, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, label in (("kvmux", "kvmux (session)"), ("mlx_lm_server", "mlx_lm.server (prompt cache)")):
+        rows = doc[name]["conversation"]
+        turns = [r["turn"] for r in rows]
+        lat.plot(turns, [r["latency_s"] for r in rows], label=label, linewidth=0.8)
+        mem.plot(turns, [r["rss_mb"] for r in rows], label=label)
+    lat.set(xlabel="turn", ylabel="turn latency (s)", title="One long conversation, 8-token replies")
+    mem.set(xlabel="turn", ylabel="serving process RSS (MB)", title="Memory")
+    for ax in (lat, mem):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def default_model_dir() -> Path:
+    from kvmux.paths import state_dir
+
+    return state_dir() / "models" / "smollm2-135m-mlx"
