@@ -68,6 +68,7 @@ def export_mlx_dir(path: Path) -> Path:
     from kvmux.worker.model import load
 
     loaded = load()
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + "."))
     save_model(tmp, loaded.model, donate_model=False)
     save_config(asdict(loaded.model.args), tmp / "config.json")

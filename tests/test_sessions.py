@@ -29,9 +29,11 @@ def run(stream):
 
 
 def test_each_turn_prefills_only_its_new_message(client, hf_tokenizer):
-    """10 turns: each turn prefills exactly the tokens its message adds to a
-    one-shot rendering of the conversation, and the history stays equal to
-    that rendering (the assistant turns closed as the template closes them)."""
+    """10 turns: each turn prefills exactly the tokens of a one-shot rendering
+    of the conversation that its slab does not hold yet (its message, and the
+    previous reply's closing tokens, left pending so that a reply never waits
+    for them), and the history stays equal to that rendering (the assistant
+    turns closed as the template closes them)."""
     messages: list[dict] = []
     cached = 0
     with client.open_session() as session:
@@ -43,7 +45,9 @@ def test_each_turn_prefills_only_its_new_message(client, hf_tokenizer):
             messages.append({"role": "assistant", "content": text})
             closed = render_ids(hf_tokenizer, messages)
             assert result.history_tokens == len(closed)
-            cached = len(closed)
+            info = session.info()
+            assert 0 < len(closed) - info.cached_tokens <= 2  # the closing tokens wait for the next turn
+            cached = info.cached_tokens
         assert session.info(token_ids=True).token_ids == closed
     assert cached > 10 * 10  # the history grew well past any one turn's prefill
 

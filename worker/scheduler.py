@@ -378,14 +378,13 @@ class Scheduler:
             if chat and job.close_after is None:
                 # Close the assistant turn as the template renders it, so the
                 # next message continues a canonical history (pointless when
-                # a close waits). After a cancel inside the prefill the
-                # closing tokens just stay queued.
+                # a close waits). The closing tokens stay pending: the next
+                # append or generate prefills them with its own tokens, in the
+                # same pass, instead of this reply waiting a pass for them.
                 generated = text + (
                     self.engine.tokenizer.decode(session.history[-1:]) if reason is StopReason.EOS else ""
                 )
                 session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
-                if reason is not StopReason.CANCELLED or completion:
-                    yield from self.engine.prefill(session, self.prefill_chunk, lambda: False)
             self.complete(
                 job,
                 p.GenerateResult(
