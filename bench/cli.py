@@ -105,9 +105,11 @@ def perf(
     sessions: str = typer.Option("1,2,4,8,16", help="Concurrent session counts for sessions_throughput."),
     session_tokens: int = typer.Option(24, help="Tokens each concurrent session generates."),
     prefill_tokens: int = typer.Option(256, help="Prompt length for the prefill comparison."),
-    repeats: int = typer.Option(2, help="Runs per measurement; the best is kept."),
+    repeats: int = typer.Option(3, help="Interleaved pairs per ratio (the best run for the engine timings)."),
     round_trips: int = typer.Option(2000, help="Round trips per broker_overhead path."),
     transformers: bool = typer.Option(True, help="Compare with transformers/PyTorch where torch is installed."),
+    stall_tokens: int = typer.Option(2000, help="prefill_stall: tokens another session appends while 2 stream."),
+    stall_pairs: int = typer.Option(3, help="prefill_stall: interleaved (alone, during the append) pairs."),
     output: Path = typer.Option(Path("perf.json"), help="Report path; the plot goes next to it (.png)."),
 ) -> None:
     """Measure the runtime against the bare model: decode, broker hops, concurrency, transformers."""
@@ -130,6 +132,8 @@ def perf(
         repeats=repeats,
         round_trips=round_trips,
         transformers=transformers,
+        stall_tokens=stall_tokens,
+        stall_pairs=stall_pairs,
     )
     doc = run(cfg, output)
     png = plot.plot_perf(doc, output.with_suffix(".png"))

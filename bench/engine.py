@@ -17,7 +17,6 @@ one (256), and says which is which.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .report import ReportWriter
+from .report import ReportWriter, ratio_summary
 
 MESSAGE_TOKENS = 24
 
@@ -38,18 +37,6 @@ class EngineConfig:
     decode_tokens: int = 16
     sessions: tuple[int, ...] = (8, 16)
     model: str | None = None
-
-
-def ratio_summary(pairs: list[tuple[float, float]]) -> dict:
-    """Median, min and max of b/a over interleaved (a, b) measurements."""
-    ratios = [b / a for a, b in pairs]
-    return {
-        "median": round(statistics.median(ratios), 3),
-        "min": round(min(ratios), 3),
-        "max": round(max(ratios), 3),
-        "a": [round(a, 4) for a, _ in pairs],
-        "b": [round(b, 4) for _, b in pairs],
-    }
 
 
 class Bench:

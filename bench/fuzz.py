@@ -3,14 +3,19 @@
 A seeded generator (`Hostile`) makes frames of every kind a peer could send:
 random bytes, random msgpack, valid envelopes of every op (client ops and
 worker ops, from either side, DRAIN included) with random, mutated or
-another op's bodies, wrong part counts, oversized frames, and valid calls on
-real sessions with hostile values. Frontend frames come from several DEALERs
-(and some that send and vanish), backend frames from DEALERs with routing
-ids of their own, as a worker's would, paced by a well-behaved client's
-PING every BARRIER_EVERY frames. Replies are read as they come and counted
-by error code. The report gives frames per side and kind, frames/s,
-errors by code and the broker's RSS before and after; `tests/test_fuzz.py`
-runs a short campaign and then checks the daemon still serves.
+another op's bodies, invalid UTF-8 inside msgpack strings, negative and
+huge request ids, wrong part counts, oversized frames (at either socket),
+and valid calls on real sessions with hostile values. Frontend frames come
+from several DEALERs (and some that send and vanish), backend frames from
+DEALERs with routing ids of their own, as a worker's would, paced by a
+well-behaved client's PING every BARRIER_EVERY frames. Replies are read as
+they come and counted by error code. The stream of frames depends on the
+seed alone (a campaign repeats exactly); the sessions that fuzzed OPENs
+opened are closed at the end, so campaigns in a row start from one state.
+The report gives frames per side and kind, frames/s, errors by code and the
+broker's RSS before and after; `tests/test_fuzz.py` runs short campaigns and
+then checks the daemon still serves. With `server_key`, every socket speaks
+CURVE (clients with `client_secret`, fake workers with `worker_secret`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import msgspec
 import zmq
 from tqdm import tqdm
 
+from kvmux import keys
 from kvmux import protocol as p
 from kvmux.protocol import Op
 
@@ -82,6 +88,8 @@ KINDS = (
 BARRIER_EVERY = 512  # frames between waits for the broker to answer a PING: it keeps up, queues stay shallow
 OVERSIZED_EVERY = 5000  # one frame past max_frame_bytes in this many (each is megabytes)
 VANISHING = 0.002  # the share of frontend frames sent by a client that then vanishes
+# msgpack strings whose bytes are not UTF-8 (msgspec raises UnicodeDecodeError on them)
+BAD_UTF8 = (b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xe2\x82", b"\xf8\x88\x80\x80\x80", b"ok\xc0\xaf")
 
 
 class Hostile:
@@ -124,6 +132,11 @@ class Hostile:
             return rng.randbytes(rng.randrange(64))
         if roll < 0.5:
             return msgspec.msgpack.encode(self.value())
+        if roll < 0.55:  # one field, its name or its value not UTF-8
+            name = p.encode(rng.choice(FIELDS))
+            if rng.random() < 0.5:
+                return b"\x81" + name + self.bad_str()
+            return b"\x81" + self.bad_str() + p.encode(self.value(1))
         fields = {rng.choice(FIELDS): self.value(1) for _ in range(rng.randrange(6))}
         raw = msgspec.msgpack.encode(fields)
         if roll < 0.6 and raw:  # a valid map with its bytes flipped or cut
@@ -140,8 +153,24 @@ class Hostile:
             return msgspec.msgpack.encode([self.value(2) for _ in range(rng.randrange(7))])
         version = p.PROTOCOL_VERSION if roll < 0.95 else rng.choice([0, 2, -1, 2**40])
         session = rng.choice(["", *self.sessions[:8], "0" * 32, "x" * rng.randrange(200)])
-        request_id = rng.choice([rng.randrange(1, 2**32), 0, rng.randrange(1, 64)])
-        return msgspec.msgpack.encode([version, op or rng.choice(ALL_OPS), request_id, session])
+        op = op or rng.choice(ALL_OPS)
+        if roll < 0.25:  # invalid UTF-8 where the op or the session id goes
+            bad = self.bad_str()
+            fields = [p.encode(version), bad, p.encode(self.request_id()), p.encode(session)]
+            if rng.random() < 0.5:
+                fields[1], fields[3] = p.encode(op), bad
+            return b"\x94" + b"".join(fields)
+        return msgspec.msgpack.encode([version, op, self.request_id(), session])
+
+    def request_id(self) -> int:
+        rng = self.rng
+        hostile = [0, -1, -(2**63), 2**64 - 1, rng.randrange(-(2**31), 0)]
+        return rng.choice([rng.randrange(1, 2**32), rng.randrange(1, 2**32), rng.randrange(1, 64), *hostile])
+
+    def bad_str(self) -> bytes:
+        """A msgpack string (fixstr) whose bytes are not UTF-8."""
+        raw = self.rng.choice(BAD_UTF8)
+        return bytes([0xA0 | len(raw)]) + raw
 
     def frontend_frame(self) -> tuple[str, list[bytes]]:
         rng = self.rng
@@ -150,10 +179,9 @@ class Hostile:
             return kind, [rng.randbytes(rng.randrange(64)) for _ in range(rng.choice([1, 2, 2, 3]))]
         if kind == "random_msgpack":
             return kind, [msgspec.msgpack.encode(self.value()), msgspec.msgpack.encode(self.value())]
-        if kind == "wrong_parts":
-            return kind, [self.envelope(), self.body(), *(self.body() for _ in range(rng.choice([-2, -1, 1, 2, 3])))][
-                : rng.choice([1, 3, 4, 5])
-            ]
+        if kind == "wrong_parts":  # 0 (one empty part: ZeroMQ sends no empty message) to 6 parts, never 2
+            count = rng.choice([0, 1, 3, 4, 5, 6])
+            return kind, [self.envelope(), *(self.body() for _ in range(5))][:count] or [b""]
         if kind == "session_call" and self.sessions:
             op = rng.choice([Op.APPEND, Op.GENERATE, Op.INFO, Op.CANCEL, Op.CREDIT, Op.RESUME, Op.CLOSE])
             env = p.envelope(op, rng.randrange(1, 2**32), rng.choice(self.sessions))
@@ -194,15 +222,24 @@ class Hostile:
         route = rng.choice(
             [b"", rng.randbytes(5), b"\x00" + rng.randbytes(4), b"\x00kvmux-admin\x00" + rng.randbytes(5)]
         )
-        if kind in ("random_bytes", "wrong_parts"):
-            return kind, [rng.randbytes(rng.randrange(32)) for _ in range(rng.choice([1, 2, 4, 5]))]
+        if kind == "random_bytes":
+            return kind, [rng.randbytes(rng.randrange(32)) for _ in range(rng.choice([1, 2, 3, 4, 5]))]
+        if kind == "wrong_parts":  # [route, envelope, body] is right: 1, 2, 4, 5 or 6 parts
+            parts = [route, self.envelope(rng.choice([*WORKER_OPS, *CLIENT_OPS])), *(self.body() for _ in range(4))]
+            return kind, parts[: rng.choice([1, 2, 4, 5, 6])]
         if kind == "random_msgpack":
             return kind, [route, msgspec.msgpack.encode(self.value()), msgspec.msgpack.encode(self.value())]
         body = self._other_body() if kind == "envelope_mutated_body" else self.body()
         return kind, [route, self.envelope(rng.choice([*WORKER_OPS, *CLIENT_OPS])), body]
 
     def oversized(self) -> list[bytes]:
+        """A client's APPEND past max_frame_bytes."""
         return [p.envelope(Op.APPEND, 1, self.rng.choice(self.sessions or [""])), b"\x00" * (self.max_frame_bytes + 1)]
+
+    def oversized_reply(self) -> list[bytes]:
+        """A worker's FINAL past max_frame_bytes, to some route."""
+        route = self.rng.choice([b"", self.rng.randbytes(5), b"\x00" + self.rng.randbytes(4)])
+        return [route, p.envelope(Op.FINAL, self.rng.randrange(1, 64)), b"\x00" * (self.max_frame_bytes + 1)]
 
 
 def rss_kb(pid: int) -> int:
@@ -212,46 +249,89 @@ def rss_kb(pid: int) -> int:
     return 0
 
 
-def _open_sessions(ctx: zmq.Context, frontend: str, count: int) -> list[str]:
-    """Real sessions for the fuzzer to aim at (opened and left open)."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(frontend)
+class _Sockets:
+    """The campaign's sockets, CURVE clients of `server_key` when it is given."""
+
+    def __init__(self, server_key: str | None, client_secret: str | None, worker_secret: str | None) -> None:
+        self.ctx = zmq.Context.instance()
+        self.server_key, self.client_secret, self.worker_secret = server_key, client_secret, worker_secret
+
+    def dealer(self, endpoint: str, *, worker: bool = False, routing_id: bytes | None = None) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # the campaign paces itself (BARRIER_EVERY)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if self.server_key:
+            keys.secure_client(sock, self.server_key, self.worker_secret if worker else self.client_secret)
+        sock.connect(endpoint)
+        return sock
+
+
+def _call(sock: zmq.Socket, op: str, request_id: int, body, session_id: str = "", timeout_s: float = 60.0):
+    """One request on a well-behaved socket: its final reply (None in time out)."""
+    sock.send_multipart([p.envelope(op, request_id, session_id), p.encode(body)])
+    deadline = time.monotonic() + timeout_s
+    while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        env_raw, body_raw = sock.recv_multipart()[-2:]
+        env = p.decode_envelope(env_raw)
+        if env.request_id == request_id and env.op != Op.PARTIAL:
+            return p.decode_reply(body_raw)
+    return None
+
+
+def _open_sessions(sock: zmq.Socket, count: int) -> list[str]:
+    """Real sessions for the fuzzer to aim at (closed at the end)."""
     ids = []
-    try:
-        for rid in range(1, count + 1):
-            sock.send_multipart([p.envelope(Op.OPEN, rid), p.encode(p.OpenSession(system="fuzz"))])
-            if not sock.poll(60_000):
-                raise TimeoutError("the daemon did not open a session for the fuzzer")
-            reply = p.decode_reply(sock.recv_multipart()[-1])
-            if isinstance(reply, p.SessionOpened):
-                ids.append(reply.session_id)
-    finally:
-        sock.close()
+    for rid in range(1, count + 1):
+        reply = _call(sock, Op.OPEN, rid, p.OpenSession(system="fuzz"))
+        if reply is None:
+            raise TimeoutError("the daemon did not open a session for the fuzzer")
+        if isinstance(reply, p.SessionOpened):
+            ids.append(reply.session_id)
     return ids
 
 
+def _close_sessions(sock: zmq.Socket, session_ids: set[str], timeout_s: float = 10.0) -> int:
+    """CLOSE what the campaign opened (a session on a fake worker answers
+    once the broker forgets that worker); how many closed."""
+    pending = {}
+    for rid, session_id in enumerate(sorted(session_ids), start=1_000_000):
+        sock.send_multipart([p.envelope(Op.CLOSE, rid, session_id), p.encode(p.Close())])
+        pending[rid] = session_id
+    closed = 0
+    deadline = time.monotonic() + timeout_s
+    while pending and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        env_raw, body_raw = sock.recv_multipart()[-2:]
+        rid = p.decode_envelope(env_raw).request_id
+        if pending.pop(rid, None) is not None:
+            closed += isinstance(p.decode_reply(body_raw), p.Closed)
+    return closed
+
+
 def campaign(
-    frontend: str, backend: str, *, frames: int, seed: int, broker_pid: int | None = None, progress: bool = True
+    frontend: str,
+    backend: str,
+    *,
+    frames: int,
+    seed: int,
+    broker_pid: int | None = None,
+    progress: bool = True,
+    server_key: str | None = None,
+    client_secret: str | None = None,
+    worker_secret: str | None = None,
 ) -> dict:
     """Send `frames` hostile frames, half at each socket; the figures."""
-    ctx = zmq.Context.instance()
+    socks = _Sockets(server_key, client_secret, worker_secret)
+    barrier = socks.dealer(frontend)  # a well-behaved client among the hostile ones
     gen = Hostile(seed)
-    gen.sessions = _open_sessions(ctx, frontend, 3)
-    clients = [ctx.socket(zmq.DEALER) for _ in range(4)]
-    workers = [ctx.socket(zmq.DEALER) for _ in range(4)]
-    for i, sock in enumerate(workers):
-        sock.setsockopt(zmq.ROUTING_ID, b"fuzz-%d-%d" % (seed, i))
-    for sock, endpoint in [*((c, frontend) for c in clients), *((w, backend) for w in workers)]:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.connect(endpoint)
-    barrier = ctx.socket(zmq.DEALER)  # a well-behaved client among the hostile ones
-    barrier.setsockopt(zmq.LINGER, 0)
-    barrier.connect(frontend)
+    gen.sessions = _open_sessions(barrier, 3)
+    clients = [socks.dealer(frontend) for _ in range(4)]
+    workers = [socks.dealer(backend, worker=True, routing_id=b"fuzz-%d-%d" % (seed, i)) for i in range(4)]
     barriers = 0
     sent: dict[str, collections.Counter] = {"frontend": collections.Counter(), "backend": collections.Counter()}
     errors: collections.Counter = collections.Counter()
+    opened: set[str] = set(gen.sessions)  # by fuzzed OPENs too: closed at the end
     replies = 0
 
     def read_replies() -> None:
@@ -266,18 +346,23 @@ def campaign(
                     continue
                 if isinstance(reply, p.Error):
                     errors[reply.code.value] += 1
+                elif isinstance(reply, p.SessionOpened) and sock in clients:
+                    opened.add(reply.session_id)
 
     rss_before = rss_peak = rss_kb(broker_pid) if broker_pid else 0
     started = time.perf_counter()
     for i in tqdm(range(frames), desc="fuzz", unit="frame", disable=not progress, mininterval=1.0):
         if i % OVERSIZED_EVERY == OVERSIZED_EVERY - 1:
-            gen.rng.choice(clients).send_multipart(gen.oversized())
-            sent["frontend"]["oversized"] += 1
+            if i // OVERSIZED_EVERY % 2:
+                gen.rng.choice(workers).send_multipart(gen.oversized_reply())
+                sent["backend"]["oversized"] += 1
+            else:
+                gen.rng.choice(clients).send_multipart(gen.oversized())
+                sent["frontend"]["oversized"] += 1
         elif i % 2:
             kind, parts = gen.frontend_frame()
             if gen.rng.random() < VANISHING:
-                ghost = ctx.socket(zmq.DEALER)
-                ghost.connect(frontend)
+                ghost = socks.dealer(frontend)
                 ghost.send_multipart(parts)
                 ghost.close(linger=100)
                 kind = "vanishing_client"
@@ -311,12 +396,15 @@ def campaign(
         if replies == before:
             break
     seconds = time.perf_counter() - started
-    for sock in [*clients, *workers, barrier]:
+    for sock in clients + workers:
         sock.close()
+    closed = _close_sessions(barrier, opened)
+    barrier.close()
     rss_after = rss_kb(broker_pid) if broker_pid else 0
     return {
         "frames": frames,
         "seed": seed,
+        "curve": bool(server_key),
         "seconds": round(seconds, 2),
         "frames_per_s": round(frames / seconds),
         "sent": {side: dict(sorted(c.items())) for side, c in sent.items()},
@@ -327,11 +415,13 @@ def campaign(
         "rss_kb_peak": max(rss_peak, rss_after),  # sampled while the frames flowed
         "rss_growth": round(rss_after / rss_before - 1, 4) if rss_before else None,
         "sessions_aimed_at": len(gen.sessions),
+        "sessions_opened": len(opened),
+        "sessions_closed": closed,
     }
 
 
-def run(output: Path, *, frames: int, seed: int, frontend: str, backend: str, broker_pid: int | None) -> dict:
+def run(output: Path, *, frames: int, seed: int, frontend: str, backend: str, broker_pid: int | None, **curve) -> dict:
     doc = {"bench": "fuzz", "created": now_iso(), "machine": machine()}
-    doc["results"] = campaign(frontend, backend, frames=frames, seed=seed, broker_pid=broker_pid)
+    doc["results"] = campaign(frontend, backend, frames=frames, seed=seed, broker_pid=broker_pid, **curve)
     write_json_atomic(output, doc)
     return doc

@@ -15,15 +15,16 @@ by side in one run on the same model.
   timings its replies carry) against transformers/PyTorch CPU on the same
   GGUF and the same prompt tokens, where torch is installed.
 
-Each other measurement is the best of `repeats` (the cores are shared: the
-best run is the one least disturbed). `--window` sets the sessions' window:
+stack_vs_bare_decode, sessions_throughput and prefill_stall are ratios of
+interleaved pairs (A B A B ...: the cores are shared and noisy), reported
+as median, min and max; the engine and transformers timings are the best of
+`repeats`. `--window` sets the sessions' window:
 2048 is the serve default, 256 a short one; the report says which.
 """
 
 from __future__ import annotations
 
 import itertools
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -34,7 +35,7 @@ from tqdm import tqdm
 from kvmux.client import Client
 
 from . import bare, hf, roundtrip, spawn
-from .report import ReportWriter, percentile
+from .report import ReportWriter, percentile, ratio_summary
 
 STORY = "Write a long story about a dragon who learns to bake bread in a small mountain village."
 PASSAGE = (
@@ -52,7 +53,7 @@ class PerfConfig:
     sessions: tuple[int, ...] = (1, 2, 4, 8, 16)
     session_tokens: int = 24
     prefill_tokens: int = 256
-    repeats: int = 2
+    repeats: int = 3
     round_trips: int = 2000
     pipelined_frames: int = 20000
     transformers: bool = True
@@ -81,52 +82,71 @@ def _stream_decode(session, max_tokens: int) -> dict:
 
 
 def stack_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dict:
-    runs = []
+    """One stream through the stack, from the same prompt tokens."""
+    with client.open_session(sink=cfg.sink, window=cfg.window) as session:
+        session.append(token_ids=prompt_ids)
+        run = _stream_decode(session, cfg.decode_tokens)
+        run["token_ids"] = session.info(token_ids=True).token_ids[len(prompt_ids) :]
+    return run
+
+
+def stack_vs_bare(client: Client, loaded, prompt_ids: list[int], cfg: PerfConfig) -> dict:
+    """Decode tokens/s through the stack against mlx-lm's generate_step in
+    this process, in interleaved pairs (the daemon idles while the bare
+    model runs)."""
+    pairs, stack, bare_run = [], None, None
     for _ in range(cfg.repeats):
-        with client.open_session(sink=cfg.sink, window=cfg.window) as session:
-            session.append(token_ids=prompt_ids)
-            run = _stream_decode(session, cfg.decode_tokens)
-            run["token_ids"] = session.info(token_ids=True).token_ids[len(prompt_ids) :]
-            runs.append(run)
-    return max(runs, key=lambda r: r["decode_tokens_per_s"] or 0.0)
+        bare_run = bare.measure(loaded, prompt_ids, cfg.decode_tokens, cfg.sink, cfg.window, repeats=1)
+        stack = stack_decode(client, prompt_ids, cfg)
+        pairs.append((bare_run["decode_tokens_per_s"], stack["decode_tokens_per_s"]))
+    return {
+        "ratio": ratio_summary(pairs),
+        "stack": stack,
+        "bare": bare_run,
+        "same_tokens": stack["token_ids"] == bare_run["token_ids"],
+    }
+
+
+def _sessions_tps(client: Client, n: int, cfg: PerfConfig) -> float:
+    """Aggregate generated tokens/s of `n` sessions decoding at once."""
+    sessions = [client.open_session(sink=cfg.sink, window=cfg.window) for _ in range(n)]
+    for s in sessions:  # prefill outside the clock: this times generation only
+        s.append([{"role": "user", "content": STORY}])
+    counts = [0] * n
+    barrier = threading.Barrier(n + 1)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        stream = sessions[i].generate(max_tokens=cfg.session_tokens)
+        for _ in stream:
+            pass
+        counts[i] = stream.result.completion_tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    for s in sessions:
+        s.close()
+    return sum(counts) / elapsed
 
 
 def sessions_throughput(client: Client, cfg: PerfConfig) -> dict:
-    rows = []
-    for n in cfg.sessions:
-        best = None
-        for _ in range(cfg.repeats):
-            sessions = [client.open_session(sink=cfg.sink, window=cfg.window) for _ in range(n)]
-            for s in sessions:  # prefill outside the clock: this times generation only
-                s.append([{"role": "user", "content": STORY}])
-            counts = [0] * n
-            barrier = threading.Barrier(n + 1)
-
-            def run(i: int, barrier=barrier, sessions=sessions, counts=counts) -> None:  # this round's
-                barrier.wait()
-                stream = sessions[i].generate(max_tokens=cfg.session_tokens)
-                for _ in stream:
-                    pass
-                counts[i] = stream.result.completion_tokens
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            for t in threads:
-                t.join()
-            elapsed = time.perf_counter() - t0
-            for s in sessions:
-                s.close()
-            row = {"sessions": n, "tokens": sum(counts), "wall_s": elapsed, "tokens_per_s": sum(counts) / elapsed}
-            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
-                best = row
-        rows.append(best)
-    one = rows[0]["tokens_per_s"]
-    for row in rows:
-        row["relative_to_1"] = row["tokens_per_s"] / one
-    return {"session_tokens": cfg.session_tokens, "runs": rows}
+    """n sessions against 1, in interleaved pairs for each n."""
+    return {
+        "session_tokens": cfg.session_tokens,
+        "vs_1": {
+            str(n): ratio_summary(
+                [(_sessions_tps(client, 1, cfg), _sessions_tps(client, n, cfg)) for _ in range(cfg.repeats)]
+            )
+            for n in cfg.sessions
+            if n > 1
+        },
+    }
 
 
 def _stream_gaps(session, stop: threading.Event, started: threading.Event) -> list[tuple[float, float]]:
@@ -149,7 +169,7 @@ def prefill_stall(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dic
     streams = [client.open_session() for _ in range(cfg.stall_streams)]
     for s in streams:
         s.append(token_ids=prompt_ids)
-    pairs = []
+    pairs, append_s = [], []
     try:
         for _ in range(cfg.stall_pairs):
             p99 = []
@@ -170,6 +190,8 @@ def prefill_stall(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dic
                 else:
                     time.sleep(cfg.stall_normal_s)
                 t1 = time.perf_counter()
+                if appending:
+                    append_s.append(round(t1 - t0, 2))
                 stop.set()
                 for t in threads:
                     t.join()
@@ -178,16 +200,11 @@ def prefill_stall(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dic
     finally:
         for s in streams:
             s.close()
-    ratios = [b / a for a, b in pairs]
     return {
         "streams": cfg.stall_streams,
         "appended_tokens": appended,
-        "itl_p99_s": [{"alone": round(a, 4), "during_append": round(b, 4)} for a, b in pairs],
-        "p99_ratio": {
-            "median": round(statistics.median(ratios), 3),
-            "min": round(min(ratios), 3),
-            "max": round(max(ratios), 3),
-        },
+        "append_s": append_s,
+        "itl_p99_ratio": ratio_summary(pairs),
     }
 
 
@@ -228,7 +245,7 @@ def run(cfg: PerfConfig, output: Path) -> dict:
         with Client(frontend, timeout=cfg.timeout_s) as client:
             worker = client.stats().workers[0]
             doc["worker_openblas"] = preloaded(worker.pid)
-            doc["stack_decode"] = stack_decode(client, story_ids, cfg)
+            doc["stack_vs_bare_decode"] = stack_vs_bare(client, loaded, story_ids, cfg)
             steps.update()
             writer.write()
             doc["sessions_throughput"] = sessions_throughput(client, cfg)
@@ -252,9 +269,6 @@ def run(cfg: PerfConfig, output: Path) -> dict:
         )
     steps.update()
     writer.write()
-    # The bare model runs after the stack has stopped, so neither disturbs the other.
-    doc["bare_decode"] = bare.measure(loaded, story_ids, cfg.decode_tokens, cfg.sink, cfg.window, cfg.repeats)
-    doc["bare_decode"]["same_tokens_as_stack"] = doc["bare_decode"]["token_ids"] == doc["stack_decode"]["token_ids"]
     del loaded
     if cfg.transformers and hf.available():
         doc["transformers"] = hf.run_subprocess(
@@ -280,7 +294,7 @@ def ratios(doc: dict) -> dict:
     window = doc["config"]["window"]
     out = {
         "window": f"{window} ({'serve default' if window == 2048 else 'short'})",
-        "stack_vs_bare_decode": doc["stack_decode"]["decode_tokens_per_s"] / doc["bare_decode"]["decode_tokens_per_s"],
+        "stack_vs_bare_decode": doc["stack_vs_bare_decode"]["ratio"]["median"],
     }
     for transport, r in doc["broker_overhead"].items():
         out[f"broker_rtt_p50_vs_direct_{transport}"] = (
@@ -296,9 +310,9 @@ def ratios(doc: dict) -> dict:
             out[f"forwarded_rtt_p50_vs_direct_{transport}"] = (
                 r["forwarded_info"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]
             )
-    out["prefill_stall_itl_p99_ratio"] = doc["prefill_stall"]["p99_ratio"]["median"]
-    for row in doc["sessions_throughput"]["runs"]:
-        out[f"sessions_{row['sessions']}_throughput_vs_1"] = row["relative_to_1"]
+    out["prefill_stall_itl_p99_ratio"] = doc["prefill_stall"]["itl_p99_ratio"]["median"]
+    for n, ratio in doc["sessions_throughput"]["vs_1"].items():
+        out[f"sessions_{n}_throughput_vs_1"] = ratio["median"]
     if doc.get("transformers"):
         out["vs_transformers_prefill"] = (
             doc["engine"]["prefill_tokens_per_s"] / doc["transformers"]["prefill_tokens_per_s"]

@@ -62,11 +62,15 @@ def plot_perf(report: dict, path: Path) -> Path:
     for i, k in enumerate(names):
         ax0.text(ratios[k], i, f" {ratios[k]:.2f}", va="center", fontsize=8)
     ax0.set_title("ratios (1.0 = parity)")
-    rows = (report.get("sessions_throughput") or {}).get("runs", [])
-    if rows:
-        ax1.plot([r["sessions"] for r in rows], [r["tokens_per_s"] for r in rows], "o-")
+    vs_1 = (report.get("sessions_throughput") or {}).get("vs_1", {})
+    if vs_1:
+        counts = [int(n) for n in vs_1]
+        med = [r["median"] for r in vs_1.values()]
+        low = [r["median"] - r["min"] for r in vs_1.values()]
+        high = [r["max"] - r["median"] for r in vs_1.values()]
+        ax1.errorbar(counts, med, yerr=[low, high], fmt="o-", capsize=3)
         ax1.set_xlabel("concurrent sessions")
-        ax1.set_ylabel("aggregate generated tokens/s")
+        ax1.set_ylabel("aggregate tokens/s vs 1 session (median, min-max)")
         ax1.set_xscale("log", base=2)
     ax1.set_title("sessions_throughput")
     for ax in (ax0, ax1):

@@ -9,6 +9,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -130,4 +131,16 @@ def latency_summary(samples_ms: list[float]) -> dict:
         "n": len(samples_ms),
         "p50_ms": round(percentile(samples_ms, 50), 3),
         "p99_ms": round(percentile(samples_ms, 99), 3),
+    }
+
+
+def ratio_summary(pairs: list[tuple[float, float]]) -> dict:
+    """Median, min and max of b/a over interleaved (a, b) measurements."""
+    ratios = [b / a for a, b in pairs]
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+        "a": [round(a, 4) for a, _ in pairs],
+        "b": [round(b, 4) for _, b in pairs],
     }

@@ -16,12 +16,12 @@ does not change what any token attends to.
   keys and trimmed back: three copies of the slab per layer per chunk.
 
 Grouped-query attention runs as one matmul per KV head over the queries of
-its group (no repeated keys). On MLX's CPU backend the softmax runs in NumPy:
-MLX's CPU `exp` is scalar, ~25x slower than NumPy's vectorised one on the
-same cores, and it was most of the cost of attending over a full window
-(bench/results/engine.json). `attend_all` evaluates the scores of every
-segment of a forward pass at once, so that costs one synchronisation per
-layer, not one per session.
+its group (no repeated keys). On MLX's CPU backend the softmax over many
+scores runs in NumPy: MLX's CPU `exp` is scalar, ~25x slower than NumPy's
+vectorised one on the same cores, and it was most of the cost of attending
+over a full window (docs/design.md). `attend_all` evaluates the scores of
+every segment of a forward pass at once, so that costs one synchronisation
+per layer, not one per session.
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ import numpy as np
 
 from .slab import SlabCache
 
-# On a GPU the softmax stays in MLX (and in the lazy graph).
+# On a GPU the softmax stays in MLX (and in the lazy graph); on a CPU too
+# while every segment's scores are few (a decode step over a short cache),
+# where NumPy would cost more in synchronisation than it saves.
 NUMPY_SOFTMAX = mx.default_device() == mx.cpu
+NUMPY_FROM = 8192  # score elements of one segment
 
 
 @dataclass
@@ -73,10 +76,10 @@ def _plan(rows: mx.array, values: mx.array, cache: SlabCache, n_heads: int) -> _
     return _Pending(scores, blocks_v, mask, n, (cache, keys, values))
 
 
-def _softmax(pending: _Pending) -> list[mx.array]:
-    """Probabilities per block, in NumPy on a CPU."""
+def _softmax(pending: _Pending, numpy: bool) -> list[mx.array]:
+    """Probabilities per block, in NumPy or in MLX."""
     edges = np.cumsum([b.shape[-1] for b in pending.scores])[:-1].tolist()
-    if not NUMPY_SOFTMAX:
+    if not numpy:
         s = mx.concatenate(pending.scores, axis=-1) if len(pending.scores) > 1 else pending.scores[0]
         if pending.mask is not None:
             s = (s.reshape(*s.shape[:2], -1, pending.n, s.shape[-1]) + mx.array(pending.mask)).reshape(s.shape)
@@ -101,11 +104,12 @@ def attend_all(rows: mx.array, values: mx.array, segments: list[tuple[int, int, 
     pending = [
         _plan(rows[start : start + n], values[start : start + n], cache, n_heads) for start, n, cache in segments
     ]
-    if NUMPY_SOFTMAX:
+    numpy = NUMPY_SOFTMAX and any(sum(s.size for s in p.scores) >= NUMPY_FROM for p in pending)
+    if numpy:
         mx.eval([p.scores for p in pending])
     outputs = []
     for p in pending:
-        probs = _softmax(p)
+        probs = _softmax(p, numpy)
         out = probs[0] @ p.values[0]
         for w, v in zip(probs[1:], p.values[1:], strict=True):
             out = out + w @ v

@@ -35,11 +35,7 @@ from .slab import SlabCache, live_bytes, make_slab
 from .stops import StopMatcher
 
 DEFAULT_MAX_TOKENS = 256
-PREFILL_CHUNK = 128  # tokens per prefill step when no other session is decoding
-# ... and when others are: a pass with 16 prefill tokens costs about twice
-# a decode-only pass (bench/results/engine.json), so streams slow down at
-# most that much while a long history goes in.
-PREFILL_SHARE = 16
+PREFILL_CHUNK = 128  # tokens per prefill step when no other session is decoding (else worker/pace.py)
 
 
 @dataclass

@@ -20,7 +20,8 @@ from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
 from kvmux.store import Store
 
 from . import control, durable
-from .engine import PREFILL_CHUNK, PREFILL_SHARE, Decoded, Engine, Session, Step
+from .engine import PREFILL_CHUNK, Decoded, Engine, Session, Step
+from .pace import Pace
 from .slab import SlabPool
 
 log = logs.get("worker.scheduler")
@@ -63,6 +64,7 @@ class Scheduler:
     stopping: bool = False
     reported: control.Status | None = None  # the last STATUS sent to the I/O thread
     chunk: int = PREFILL_CHUNK  # prefill tokens per step in this round
+    pace: Pace = field(default_factory=lambda: Pace(most=PREFILL_CHUNK))
 
     # ------------------------------------------------------------ plumbing
 
@@ -92,10 +94,14 @@ class Scheduler:
                 timeout = 0
             # Prefill chunks shrink while other sessions decode: they share
             # the pass, and a long history must not stall the streams.
-            self.chunk = PREFILL_SHARE if any(job.decoding for job in runnable) else PREFILL_CHUNK
+            decoding = any(job.decoding for job in runnable)
+            self.chunk = self.pace.share if decoding else PREFILL_CHUNK
+            started = time.perf_counter()
             asking = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
             if asking:
                 self.forward_pass(asking)
+                prefill = sum(job.ask.tokens.shape[0] for job in asking if not job.ask.decode)
+                self.pace.observe(time.perf_counter() - started, decoding, prefill)
             self.report_status()
 
     def forward_pass(self, jobs: list[Job]) -> None:

@@ -23,6 +23,12 @@ class SlabCache(RotatingKVCache):
     the same two blocks without even that copy.
     """
 
+    def __init__(self, max_size: int, keep: int = 0):
+        super().__init__(max_size, keep=keep)
+        # Decode steps grow the arrays by `step` slots: mlx-lm's 256, but at
+        # most an eighth of the slab, so a small slab also grows as it fills.
+        self.step = max(16, min(256, max_size // 8))
+
     @property
     def window(self) -> int:
         return self.max_size - self.keep
