@@ -60,6 +60,7 @@ from kvmux.store import Store, store_id
 from . import auth, endpoints
 from .admission import Admission, Pending, Refusal, percentiles
 from .config import BrokerConfig
+from .heap import HeapTrimmer
 from .lifecycle import STORE_BYTES_EVERY_S, SessionLifecycle
 from .outbox import ADMIN, Outbox, Sent
 from .registry import Registry, Request, Session, Worker
@@ -134,6 +135,7 @@ class Broker(SessionLifecycle):
         self._drain_request: float | None = None  # set from a signal handler
         self._own_ids = itertools.count(1)
         self._next_heartbeat = self._next_sweep = 0.0
+        self.heap = HeapTrimmer()
         self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
         self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
         self.store = Store(cfg.state_dir)
@@ -201,6 +203,8 @@ class Broker(SessionLifecycle):
             poller.register(sock, zmq.POLLIN)
         while True:
             events = dict(poller.poll(_POLL_BACKLOG_MS if self.outbox.backlog else _POLL_MS))
+            if not events:
+                self.heap.quiet()
             if self._drain_request is not None:  # a signal came during the poll: before any frame
                 self._start_drain(self._drain_request, time.monotonic())
                 self._drain_request = None
@@ -221,6 +225,7 @@ class Broker(SessionLifecycle):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
+            self.heap.frames += 1
             try:
                 handle(frames, time.monotonic())
             except Exception:  # one bad frame must never stop the loop
