@@ -401,6 +401,9 @@ def campaign(
     closed = _close_sessions(barrier, opened)
     barrier.close()
     rss_after = rss_kb(broker_pid) if broker_pid else 0
+    if broker_pid:  # quiet for 2 s: the broker has handed its freed heap back (broker/heap.py)
+        time.sleep(2.0)
+    rss_settled = rss_kb(broker_pid) if broker_pid else 0
     return {
         "frames": frames,
         "seed": seed,
@@ -413,7 +416,8 @@ def campaign(
         "rss_kb_before": rss_before,
         "rss_kb_after": rss_after,
         "rss_kb_peak": max(rss_peak, rss_after),  # sampled while the frames flowed
-        "rss_growth": round(rss_after / rss_before - 1, 4) if rss_before else None,
+        "rss_kb_settled": rss_settled,
+        "rss_growth": round(rss_settled / rss_before - 1, 4) if rss_before else None,  # settled vs before
         "sessions_aimed_at": len(gen.sessions),
         "sessions_opened": len(opened),
         "sessions_closed": closed,
