@@ -51,7 +51,16 @@ class _Pending:
     write: tuple[SlabCache, mx.array, mx.array] | None = None  # new tokens to store once read
 
 
-def _plan(rows: mx.array, values: mx.array, cache: SlabCache, n_heads: int) -> _Pending:
+def additive_mask(cache: SlabCache, n: int) -> np.ndarray | None:
+    """The additive mask (0 or -inf) of `n` new tokens over the slab as it
+    stands and themselves; None for a decode step, which sees every slot.
+    The same for every layer of a slab, so a pass makes it once."""
+    if n == 1:
+        return None
+    return np.where(cache.visible(n), np.float32(0), np.float32(-np.inf))
+
+
+def _plan(rows: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray | None, n_heads: int) -> _Pending:
     """Scores of one segment's rows on one layer of its slab. `rows` is (n,
     heads + kv heads, 1, D): scaled, rotated queries then keys, a token per
     row; `values` is (n, kv heads, 1, D)."""
@@ -67,7 +76,6 @@ def _plan(rows: mx.array, values: mx.array, cache: SlabCache, n_heads: int) -> _
     grouped = rows[:, :n_heads].transpose(2, 1, 0, 3).reshape(1, kv_heads, -1, head_dim)
     keys = rows[:, n_heads:].transpose(2, 1, 0, 3)
     values = values.transpose(2, 1, 0, 3)
-    mask = np.where(cache.visible(n), np.float32(0), np.float32(-np.inf))
     blocks_k, blocks_v = [keys], [values]
     if cache.keys is not None:  # the slab as it stands, then the new tokens
         blocks_k.insert(0, cache.keys)
@@ -96,13 +104,16 @@ def _softmax(pending: _Pending, numpy: bool) -> list[mx.array]:
     return [mx.array(b) for b in np.split(s, edges, axis=-1)]
 
 
-def attend_all(rows: mx.array, values: mx.array, segments: list[tuple[int, int, SlabCache]], n_heads: int) -> mx.array:
+def attend_all(
+    rows: mx.array, values: mx.array, segments: list[tuple[int, int, SlabCache, np.ndarray | None]], n_heads: int
+) -> mx.array:
     """The attention output (1, tokens, heads * D) of a pass: `rows` (tokens,
     heads + kv heads, 1, D) holds every token's scaled, rotated query and
     key, `values` (tokens, kv heads, 1, D) its value, and each (start, n,
-    cache) segment attends over its own slab, which gets its new tokens."""
+    cache, mask) segment attends over its own slab, which gets its new
+    tokens."""
     pending = [
-        _plan(rows[start : start + n], values[start : start + n], cache, n_heads) for start, n, cache in segments
+        _plan(rows[start : start + n], values[start : start + n], cache, m, n_heads) for start, n, cache, m in segments
     ]
     numpy = NUMPY_SOFTMAX and any(sum(s.size for s in p.scores) >= NUMPY_FROM for p in pending)
     if numpy:

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models import llama
 
-from .attention import attend_all
+from .attention import additive_mask, attend_all
 from .slab import SlabCache
 
 
@@ -45,6 +45,7 @@ def forward(model: llama.Model, segments: list[Segment]) -> list[mx.array]:
     h = model.model.embed_tokens(tokens[None])
     offsets = [segment.slab[0].offset for segment in segments]  # every layer's, before this pass
     positions = mx.array([offset + i for offset, n in zip(offsets, lengths, strict=True) for i in range(n)])
+    masks = [additive_mask(segment.slab[0], n) for segment, n in zip(segments, lengths, strict=True)]
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -60,7 +61,7 @@ def forward(model: llama.Model, segments: list[Segment]) -> list[mx.array]:
         )
         rows = attn.rope(rows, offset=positions)
         values = attn.v_proj(x).reshape(total, attn.n_kv_heads, 1, -1)
-        here = [(start, n, s.slab[index]) for start, n, s in zip(starts, lengths, segments, strict=True)]
+        here = [(start, n, s.slab[index], m) for start, n, s, m in zip(starts, lengths, segments, masks, strict=True)]
         h = h + attn.o_proj(attend_all(rows, values, here, attn.n_heads))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     last = mx.array([start + n - 1 for start, n in zip(starts, lengths, strict=True)])

@@ -56,25 +56,27 @@ class SlabCache(RotatingKVCache):
         return (k >= 0) & (k <= q) & ((k < self.keep) | (k > q - window))
 
     def write(self, keys: mx.array, values: mx.array) -> None:
-        """Store new tokens in the ring, in place, a contiguous run of slots
-        at a time (mlx-lm's single-token update, generalised)."""
+        """Store new tokens: appended while the arrays are shorter than the
+        slab (exactly as long as needed: decode steps grow them by `step`),
+        then in place in the ring, a contiguous run of slots at a time
+        (mlx-lm's single-token update, generalised)."""
         total, done = keys.shape[2], 0
         while done < total:
-            if self.keys is None or (self._idx >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
-                grow = min(total - done, self.max_size - self.offset)  # decode steps grow by `step`
-                shape = (*keys.shape[:2], grow)
-                new_k = mx.zeros((*shape, keys.shape[3]), keys.dtype)
-                new_v = mx.zeros((*shape, values.shape[3]), values.dtype)
+            stored = 0 if self.keys is None else self.keys.shape[2]
+            if self._idx == stored < self.max_size:  # not full yet: append
+                run = min(total - done, self.max_size - stored)
+                new_k, new_v = keys[..., done : done + run, :], values[..., done : done + run, :]
                 if self.keys is None:
                     self.keys, self.values = new_k, new_v
                 else:
                     self.keys = mx.concatenate([self.keys, new_k], axis=2)
                     self.values = mx.concatenate([self.values, new_v], axis=2)
-            if self._idx == self.max_size:
-                self._idx = self.keep
-            run = min(total - done, self.keys.shape[2] - self._idx)
-            self.keys[..., self._idx : self._idx + run, :] = keys[..., done : done + run, :]
-            self.values[..., self._idx : self._idx + run, :] = values[..., done : done + run, :]
+            else:
+                if self._idx == self.max_size:
+                    self._idx = self.keep
+                run = min(total - done, stored - self._idx)
+                self.keys[..., self._idx : self._idx + run, :] = keys[..., done : done + run, :]
+                self.values[..., self._idx : self._idx + run, :] = values[..., done : done + run, :]
             self._idx += run
             self.offset += run
             done += run
