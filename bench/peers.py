@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -108,12 +107,7 @@ def mlx_lm_server(model_dir: Path, max_tokens: int) -> Iterator[tuple[str, int]]
             time.sleep(0.5)
         yield url, proc.pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        spawn.stop(proc, timeout_s=20)
         log_path.unlink(missing_ok=True)
         log_path.parent.rmdir()
 

@@ -96,7 +96,7 @@ def stack_vs_bare(client: Client, loaded, prompt_ids: list[int], cfg: PerfConfig
     model runs)."""
     pairs, stack, bare_run = [], None, None
     for _ in range(cfg.repeats):
-        bare_run = bare.measure(loaded, prompt_ids, cfg.decode_tokens, cfg.sink, cfg.window, repeats=1)
+        bare_run = bare.measure(loaded, prompt_ids, cfg.decode_tokens, cfg.sink, cfg.window)
         stack = stack_decode(client, prompt_ids, cfg)
         pairs.append((bare_run["decode_tokens_per_s"], stack["decode_tokens_per_s"]))
     return {

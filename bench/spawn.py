@@ -76,14 +76,20 @@ def daemon(
         _wait_ready(proc, admin, workers, log_path)
         yield Daemon(frontend, backend, admin, proc.pid)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, timeout_s=30)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (a daemon drains on it), then SIGKILL after `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_ready(proc: subprocess.Popen, admin: str, workers: int, log_path: Path) -> None:
