@@ -46,4 +46,6 @@ lint: $(VENV)/.test-setup
 	@$(BIN)/ruff format --check --quiet . && $(BIN)/ruff check --quiet .
 
 test: lint $(VENV)/.test-setup $(TS)/node_modules/.setup
-	@$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	@# OpenBLAS preloaded for the tests that run the model in pytest's own process (the workers preload it themselves)
+	@LD_PRELOAD="$$($(BIN)/python -c 'from kvmux.worker.preload import openblas_path; print(openblas_path() or "")')" \
+		$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

@@ -110,6 +110,13 @@ def perf(
     transformers: bool = typer.Option(True, help="Compare with transformers/PyTorch where torch is installed."),
     stall_tokens: int = typer.Option(2000, help="prefill_stall: tokens another session appends while 2 stream."),
     stall_pairs: int = typer.Option(3, help="prefill_stall: interleaved (alone, during the append) pairs."),
+    only: str | None = typer.Option(None, help="Run one part only: speculative."),
+    spec_pairs: int = typer.Option(2, help="speculative: interleaved (off, on) pairs per workload."),
+    spec_tokens: int = typer.Option(160, help="speculative: most tokens per reply."),
+    draft_model: str | None = typer.Option(
+        None, help="speculative: the draft model's file ('' for none) [default: the model itself]."
+    ),
+    draft_quantized: bool = typer.Option(False, help="speculative: keep the draft model's weights quantized."),
     output: Path = typer.Option(Path("perf.json"), help="Report path; the plot goes next to it (.png)."),
 ) -> None:
     """Measure the runtime against the bare model: decode, broker hops, concurrency, transformers."""
@@ -134,11 +141,20 @@ def perf(
         transformers=transformers,
         stall_tokens=stall_tokens,
         stall_pairs=stall_pairs,
+        only=only,
+        spec_pairs=spec_pairs,
+        spec_tokens=spec_tokens,
+        draft_model=draft_model,
+        draft_quantized=draft_quantized,
     )
+    if only not in (None, "speculative"):
+        raise typer.BadParameter("--only takes: speculative")
     doc = run(cfg, output)
-    png = plot.plot_perf(doc, output.with_suffix(".png"))
     typer.echo(json.dumps(doc["ratios"], indent=1))
-    typer.echo(f"report: {output}\nplot: {png}")
+    if only is None:
+        typer.echo(f"report: {output}\nplot: {plot.plot_perf(doc, output.with_suffix('.png'))}")
+    else:
+        typer.echo(f"report: {output}")
 
 
 @bench_app.command()

@@ -50,8 +50,11 @@ class Bench:
 
         self.mx = mx
         self.cfg = cfg
+        from kvmux.worker.forward import calibrate
+
         self.model = load(cfg.model).model
         self.layers = len(self.model.layers)
+        self.floors = calibrate(self.model, max(cfg.sessions) * 17 + 128)  # as the worker pads its passes
 
     # ------------------------------------------------------------ slabs
 
@@ -60,11 +63,12 @@ class Bench:
         from mlx_lm.models.cache import RotatingKVCache
 
         from kvmux.worker.slab import make_slab
+        from kvmux.worker.speculative import MAX_DRAFT
 
         cache = (
             [RotatingKVCache(self.cfg.sink + window, keep=self.cfg.sink) for _ in range(self.layers)]
             if stock
-            else make_slab(self.layers, self.cfg.sink, window)
+            else make_slab(self.layers, self.cfg.sink, window, MAX_DRAFT)  # as the worker makes them
         )
         ids = [(17 * i) % 30000 + 100 for i in range(fill)]
         for at in range(0, fill, 128):
@@ -74,10 +78,17 @@ class Bench:
     def copy(self, slab: list) -> list:
         """Another slab holding the same history (prefilling each full slab
         anew would take most of the bench's time)."""
+        from mlx_lm.models.cache import RotatingKVCache
+
+        from kvmux.worker.slab import SlabCache
+
         mx = self.mx
         out = []
         for layer in slab:
-            twin = type(layer)(layer.max_size, keep=layer.keep)
+            if isinstance(layer, SlabCache):
+                twin = SlabCache(layer.keep, layer.window, layer.spare)
+            else:
+                twin = RotatingKVCache(layer.max_size, keep=layer.keep)
             keys, values, *rest = layer.state
             twin.state = (keys + 0, values + 0, *rest)  # own buffers: updated in place like any slab
             out.append(twin)
@@ -91,12 +102,14 @@ class Bench:
         if stock:
             logits = self.model(mx.array(tokens)[None], cache=cache)[:, -1, :]
         else:
-            logits = forward(self.model, [Segment(mx.array(tokens), cache)])[0]
+            logits = forward(self.model, [Segment(mx.array(tokens), cache)], self.floors)[0]
         mx.eval(logits, [c.state for c in cache])
         return logits
 
     def full(self, window: int) -> int:
-        return self.cfg.sink + window + 8  # the window has wrapped
+        from kvmux.worker.speculative import MAX_DRAFT
+
+        return self.cfg.sink + window + MAX_DRAFT + 8  # the ring (window and spare slots) has wrapped
 
     # ------------------------------------------------------------ measures
 
@@ -120,7 +133,7 @@ class Bench:
         n = self.cfg.decode_tokens
         started = time.perf_counter()
         for i in range(n):
-            logits = forward(self.model, [Segment(mx.array([100 + i]), slab) for slab in slabs])
+            logits = forward(self.model, [Segment(mx.array([100 + i]), slab) for slab in slabs], self.floors)
             mx.eval(logits, [[c.state for c in slab] for slab in slabs])
         return n * len(slabs) / (time.perf_counter() - started)
 

@@ -14,6 +14,9 @@ by side in one run on the same model.
 - vs_transformers: prefill and decode tokens/s of the worker's engine (the
   timings its replies carry) against transformers/PyTorch CPU on the same
   GGUF and the same prompt tokens, where torch is installed.
+- speculative: decode tokens/s with speculative decoding against without,
+  on edit, agentic and chat workloads (bench/speculative.py), with lookup
+  drafts and with a draft model. `--only speculative` runs just this part.
 
 stack_vs_bare_decode, sessions_throughput and prefill_stall are ratios of
 interleaved pairs (A B A B ...: the cores are shared and noisy), reported
@@ -34,7 +37,7 @@ from tqdm import tqdm
 
 from kvmux.client import Client
 
-from . import bare, hf, roundtrip, spawn
+from . import bare, hf, roundtrip, spawn, speculative
 from .report import ReportWriter, percentile, ratio_summary
 
 STORY = "Write a long story about a dragon who learns to bake bread in a small mountain village."
@@ -62,6 +65,11 @@ class PerfConfig:
     stall_tokens: int = 2000
     stall_pairs: int = 3
     stall_normal_s: float = 6.0
+    only: str | None = None  # "speculative": just that part
+    spec_pairs: int = 2
+    spec_tokens: int = 160  # max tokens per reply
+    draft_model: str | None = None  # "" = no draft-model run; None = the verifier's own file
+    draft_quantized: bool = False
 
 
 def _stream_decode(session, max_tokens: int) -> dict:
@@ -231,7 +239,12 @@ def run(cfg: PerfConfig, output: Path) -> dict:
 
     writer = ReportWriter(output, "perf", asdict(cfg), every_s=0.0)
     doc = writer.doc
-    steps = tqdm(total=7, desc="perf", unit="step")
+    if cfg.only == "speculative":
+        doc["speculative"] = speculative_part(cfg)
+        doc["ratios"] = ratios(doc)
+        writer.write("complete")
+        return doc
+    steps = tqdm(total=8, desc="perf", unit="step")
     loaded = model_mod.load(cfg.model)
     doc["model"] = loaded.model_id
     from kvmux.worker.preload import preloaded
@@ -277,10 +290,36 @@ def run(cfg: PerfConfig, output: Path) -> dict:
     else:
         doc["transformers"] = None
     steps.update()
+    writer.write()
+    doc["speculative"] = speculative_part(cfg)
+    steps.update()
     steps.close()
     doc["ratios"] = ratios(doc)
     writer.write("complete")
     return doc
+
+
+def speculative_part(cfg: PerfConfig) -> dict:
+    """bench/speculative.py on a daemon with the defaults (lookup drafts),
+    then on one with a draft model."""
+    workloads = len(speculative.WORKLOADS)
+    runs = 1 + (cfg.draft_model != "")
+    progress = tqdm(total=runs * workloads * cfg.spec_pairs, desc="speculative", unit="pair")
+    with spawn.serve(workers=1, slabs=2, model=cfg.model) as frontend, Client(frontend, timeout=cfg.timeout_s) as c:
+        part = {"mode": "auto", **speculative.measure(c, "auto", cfg.window, cfg.spec_pairs, cfg.spec_tokens, progress)}
+    part["window"] = cfg.window
+    part["draft_model"] = None
+    if cfg.draft_model != "":
+        draft = cfg.draft_model or str(cfg.model or _default_model())
+        args = ("--draft-model", draft, *(("--draft-quantized",) if cfg.draft_quantized else ()))
+        with (
+            spawn.serve(workers=1, slabs=2, model=cfg.model, serve_args=args) as frontend,
+            Client(frontend, timeout=cfg.timeout_s) as c,
+        ):
+            measured = speculative.measure(c, "draft", cfg.window, cfg.spec_pairs, cfg.spec_tokens, progress)
+        part["draft_model"] = {"model": Path(draft).name, "quantized": cfg.draft_quantized, **measured}
+    progress.close()
+    return part
 
 
 def _default_model() -> Path:
@@ -292,10 +331,17 @@ def _default_model() -> Path:
 def ratios(doc: dict) -> dict:
     """The headline numbers, each >1 where kvmux is faster / costs more."""
     window = doc["config"]["window"]
-    out = {
-        "window": f"{window} ({'serve default' if window == 2048 else 'short'})",
-        "stack_vs_bare_decode": doc["stack_vs_bare_decode"]["ratio"]["median"],
-    }
+    out = {"window": f"{window} ({'serve default' if window == 2048 else 'short'})"}
+    spec = doc.get("speculative")
+    if spec:
+        for name in speculative.WORKLOADS:
+            out[f"speculative_{name}_speedup"] = spec[name]["speedup"]
+            out[f"speculative_{name}_acceptance"] = spec[name]["acceptance"]
+            if spec["draft_model"]:
+                out[f"speculative_draft_{name}_speedup"] = spec["draft_model"][name]["speedup"]
+    if "stack_vs_bare_decode" not in doc:
+        return out
+    out["stack_vs_bare_decode"] = doc["stack_vs_bare_decode"]["ratio"]["median"]
     for transport, r in doc["broker_overhead"].items():
         out[f"broker_rtt_p50_vs_direct_{transport}"] = (
             r["broker_ping"]["round_trip"]["p50_us"] / r["direct"]["round_trip"]["p50_us"]

@@ -495,6 +495,7 @@ class Broker(SessionLifecycle):
         if env.op == Op.HEARTBEAT:
             beat = decode_body(Op.HEARTBEAT, body)
             worker.running, worker.draining = beat.running, beat.draining
+            worker.drafted, worker.accepted = beat.drafted, beat.accepted
         elif env.op == Op.DISCONNECT:
             self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
         elif env.op == Op.RESTORED:
@@ -784,6 +785,8 @@ class Broker(SessionLifecycle):
                 sessions=len(w.sessions),
                 frames_forwarded=w.frames_forwarded,
                 last_seen_s=round(now - w.last_seen, 3),
+                drafted=w.drafted,
+                accepted=w.accepted,
             )
             for w in reg.workers.values()
         ]

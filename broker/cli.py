@@ -54,6 +54,12 @@ def serve(
     model: str | None = typer.Option(
         None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."
     ),
+    draft_model: str | None = typer.Option(
+        None, help="Draft model for speculative decoding; its tokenizer must be the model's (default: none)."
+    ),
+    draft_quantized: bool = typer.Option(
+        False, "--draft-quantized", help="Keep the draft model's weights quantized (smaller; slower on a CPU)."
+    ),
     admission: str | None = typer.Option(
         None, help="When every slab is busy running a request: reject | queue (default: reject)."
     ),
@@ -118,6 +124,8 @@ def serve(
             workers=workers,
             slabs=slabs,
             model=model,
+            draft_model=draft_model,
+            draft_quantized=draft_quantized or None,
             admission=admission,
             queue_depth=queue_depth,
             queue_wait_s=queue_wait_s,
@@ -281,7 +289,19 @@ def format_stats(s) -> str:
         f"  {_size(s.store_bytes)} on disk",
         "",
     ]
-    header = ("WORKER", "HOST", "PID", "SLABS USED", "FREE", "SESSIONS", "RUNNING", "IN FLIGHT", "FRAMES", "SEEN")
+    header = (
+        "WORKER",
+        "HOST",
+        "PID",
+        "SLABS USED",
+        "FREE",
+        "SESSIONS",
+        "RUNNING",
+        "IN FLIGHT",
+        "FRAMES",
+        "ACCEPTED",
+        "SEEN",
+    )
     rows = [
         (
             w.worker_id,
@@ -293,6 +313,7 @@ def format_stats(s) -> str:
             str(w.running),
             str(w.in_flight),
             str(w.frames_forwarded),
+            f"{w.accepted}/{w.drafted} ({w.accepted / w.drafted:.0%})" if w.drafted else "-",
             f"{w.last_seen_s:.1f}s ago",
         )
         for w in s.workers

@@ -63,6 +63,8 @@ class LocalWorkers:
         cmd += ["--max-tokens-limit", str(cfg.max_tokens_limit), "--max-append-tokens", str(cfg.max_append_tokens)]
         if cfg.model:
             cmd += ["--model", cfg.model]
+        if cfg.draft_model:
+            cmd += ["--draft-model", cfg.draft_model] + (["--draft-quantized"] if cfg.draft_quantized else [])
         return cmd + list(cfg.worker_args)
 
     def env(self) -> dict[str, str]:
@@ -103,6 +105,9 @@ class LocalWorkers:
                 if code == 0:  # it drained on its own (SIGTERM to it alone): not a crash
                     log.warning("local_worker_stopped", index=slot.index)
                     continue
+                if code == 2:  # its model or draft model was refused: restarting cannot help
+                    log.error("local_worker_refused_model", index=slot.index)
+                    return False
                 slot.crashes.append(now)
                 while slot.crashes and now - slot.crashes[0] > CRASH_WINDOW_S:
                     slot.crashes.popleft()

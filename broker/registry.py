@@ -28,6 +28,8 @@ class Worker:
     in_flight: int = 0
     running: int = 0  # from its heartbeat
     draining: bool = False  # from its heartbeat: it takes no new sessions
+    drafted: int = 0  # from its heartbeat: speculative tokens drafted and accepted
+    accepted: int = 0
     frames_forwarded: int = 0
 
     @property

@@ -52,3 +52,12 @@ class StopReason(_Code):
     MAX_TOKENS = "max_tokens"
     STOP = "stop"  # a stop string matched (it is not sent)
     CANCELLED = "cancelled"
+
+
+class SpeculativeMode(_Code):
+    """Generate's `speculative` option: where drafts for the verifier come from."""
+
+    AUTO = "auto"  # the history's lookup where it matches, else the draft model if the worker has one
+    OFF = "off"  # a token per pass
+    LOOKUP = "lookup"  # the session's history (and, greedy, other sessions' recent replies)
+    DRAFT = "draft"  # the worker's draft model (kvmux serve --draft-model)

@@ -35,6 +35,7 @@ class Sampling(_Body):
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] | None = None
+    speculative: str | None = None  # a SpeculativeMode value: auto (the default) | off | lookup | draft
 
 
 class OpenSession(_Body):
@@ -132,6 +133,8 @@ class WorkerHeartbeat(_Body):
     free_slabs: int
     running: int  # requests being computed right now
     draining: bool = False  # the worker takes no new sessions
+    drafted: int = 0  # speculative decoding since the worker started: tokens drafted
+    accepted: int = 0  # and of them accepted by the verifier
 
 
 class Disconnect(_Body):
@@ -184,6 +187,8 @@ class GenerateResult(Reply, tag="result"):
     decode_s: float
     truncated_tokens: int  # history tokens the window has dropped so far
     history_tokens: int
+    drafted_tokens: int = 0  # proposed to the verifier (speculative decoding)
+    accepted_tokens: int = 0  # of them, the ones that stood
 
 
 class SessionInfo(Reply, tag="info"):
@@ -250,6 +255,8 @@ class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     sessions: int
     frames_forwarded: int
     last_seen_s: float
+    drafted: int = 0  # speculative decoding since the worker started: tokens drafted
+    accepted: int = 0  # of them, accepted by the verifier
 
 
 class Refused(msgspec.Struct, kw_only=True):

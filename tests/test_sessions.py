@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kvmux.client import Client, InvalidArgument
+from kvmux.worker.speculative import MAX_DRAFT
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def _capacity_from_gguf(model_path, sink: int, window: int) -> int:
     per_token = (
         2 * value("llama.block_count") * value("llama.attention.head_count_kv") * head_dim * 4
     )  # float32 K and V
-    return (sink + window) * per_token
+    return (sink + window + MAX_DRAFT) * per_token  # the ring keeps spare slots for speculative drafts
 
 
 def test_kv_memory_grows_then_stays_flat_at_the_slab_capacity(client, model_path):

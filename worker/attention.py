@@ -2,14 +2,20 @@
 reordering or copying the slab.
 
 A query at position P sees the sink and the last `window` positions up to
-P, itself included, whether its token came alone or inside a chunk: the
-rule a single decode step has always followed, so how a history was chunked
-does not change what any token attends to.
+P, itself included, whether its token came alone, in a prefill chunk or in
+a speculative verify pass (worker/slab.py).
 
-- One new token: it is written into the slab in place first (mlx-lm's
-  RotatingKVCache does that), then attends over every live slot, in slot
-  order, with no mask.
-- Several new tokens: their queries attend over two blocks, the slab as it
+- Rows (a decode step's one token, or a verify pass's last token and its
+  drafts): the new keys are written into the ring first, then each row
+  attends over the slots a one-token step at its position reads (those up
+  to P's, rounded up to the slab's growth step: all of them once it is
+  full), masked by the position each slot holds.
+  A row's scores, softmax and weighted sum are computed by the same calls
+  with the same shapes whether it came alone or with k others (a matmul
+  per row and KV head), so a verify pass gives each position the logits a
+  one-token step gives it, bit for bit: speculative decoding is exact by
+  construction (docs/design.md, "Speculative decoding").
+- A prefill chunk: its queries attend over two blocks, the slab as it
   stands (slots in ring order, masked by the position each slot holds) and
   the new keys (causal); the new keys are written into the ring after. The
   stock path instead put the ring in temporal order, concatenated the new
@@ -41,96 +47,168 @@ NUMPY_FROM = 8192  # score elements of one segment
 
 
 @dataclass
-class _Pending:
-    """One segment's attention at one layer, between scores and output."""
+class _Block:
+    """Scores of some queries of one segment at one layer, and the values
+    they weigh, between the score matmul and the weighted sum."""
 
-    scores: list[mx.array]  # per block: (1, kv heads, group * n, slots)
-    values: list[mx.array]  # per block: (1, kv heads, slots, head dim)
-    mask: np.ndarray | None  # additive (n, slots of every block), 0 or -inf
-    n: int
+    scores: list[mx.array]  # per part of the slab: (batch, kv heads, group * rows, slots)
+    values: list[mx.array]  # per part: (1, kv heads, slots, head dim)
+    mask: np.ndarray | None  # additive 0 / -inf: (rows, slots of every part)
+    rows: int
+    numpy: bool  # softmax in NumPy
+    per_row: bool  # scores laid out (rows, kv, group, slots), else (1, kv, group * rows, slots)
+
+
+@dataclass
+class _Pending:
+    """One segment's attention at one layer."""
+
+    blocks: list[_Block]
     write: tuple[SlabCache, mx.array, mx.array] | None = None  # new tokens to store once read
 
 
-def additive_mask(cache: SlabCache, n: int) -> np.ndarray | None:
-    """The additive mask (0 or -inf) of `n` new tokens over the slab as it
-    stands and themselves; None for a decode step, which sees every slot.
-    The same for every layer of a slab, so a pass makes it once."""
-    if n == 1:
-        return None
-    return np.where(cache.visible(n), np.float32(0), np.float32(-np.inf))
+def additive_mask(cache: SlabCache, n: int) -> np.ndarray:
+    """The additive mask (0 or -inf) of a prefill chunk of `n` tokens over
+    the slab as it stands and themselves. The same for every layer of a
+    slab, so a pass makes it once."""
+    return _additive(cache.visible(n))
 
 
-def _plan(rows: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray | None, n_heads: int) -> _Pending:
-    """Scores of one segment's rows on one layer of its slab. `rows` is (n,
-    heads + kv heads, 1, D): scaled, rotated queries then keys, a token per
-    row; `values` is (n, kv heads, 1, D)."""
+def _additive(visible: np.ndarray) -> np.ndarray:
+    return np.where(visible, np.float32(0), np.float32(-np.inf))
+
+
+def row_masks(cache: SlabCache, n: int) -> list[tuple[int, int, int, np.ndarray | None]]:
+    """For `n` rows about to be written at the slab's end: runs of rows
+    (first, last + 1, slots they read, additive mask or None where every
+    slot is seen). A row at P reads the slots up to P's, rounded up to the
+    slab's growth step, as a one-token step at P does. Made before the
+    write, once for every layer."""
+    queries = cache.offset + np.arange(n)
+    # Whole growth steps: the rows of a verify pass mostly read the same
+    # slots (one block, not one per row); the slots past P are masked.
+    reads = np.minimum(-(-(queries + 1) // cache.step) * cache.step, cache.max_size)
+    positions = cache.positions(int(reads[-1]), ahead=n)
+    runs, first = [], 0
+    for i in range(1, n + 1):
+        if i == n or reads[i] != reads[first]:
+            slots = int(reads[first])
+            sees = cache.sees(queries[first:i], positions[:slots])
+            runs.append((first, i, slots, None if sees.all() else _additive(sees)))
+            first = i
+    return runs
+
+
+def _plan_rows(rows: mx.array, values: mx.array, cache: SlabCache, runs, n_heads: int) -> _Pending:
+    """Scores of decode rows on one layer: their keys written first, then
+    each run of rows against the slots it reads."""
+    head_dim = rows.shape[-1]
+    kv_heads = values.shape[1]
+    cache.write(rows[:, n_heads:].transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3))
+    blocks = []
+    for first, last, length, mask in runs:
+        # (rows, kv heads, group, D) @ (1, kv heads, D, slots): one (group x
+        # D) @ (D x slots) product per row and KV head, whatever the rows.
+        queries = rows[first:last, :n_heads].reshape(last - first, kv_heads, -1, head_dim)
+        keys = cache.keys[..., :length, :]
+        blocks.append(
+            _Block(
+                [queries @ keys.swapaxes(-1, -2)],
+                [cache.values[..., :length, :]],
+                mask,
+                last - first,
+                NUMPY_SOFTMAX and n_heads * length >= NUMPY_FROM,
+                per_row=True,
+            )
+        )
+    return _Pending(blocks)
+
+
+def _plan_chunk(rows: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray, n_heads: int) -> _Pending:
+    """Scores of a prefill chunk's rows on one layer of its slab."""
     n, _, _, head_dim = rows.shape
     kv_heads = values.shape[1]
-    if n == 1:  # a decode step: the row's layout already groups heads by KV head
-        grouped = rows[0, :n_heads].reshape(1, kv_heads, -1, head_dim)
-        ring_k, ring_v = cache.update_and_fetch(
-            rows[0, n_heads:].reshape(1, kv_heads, 1, head_dim), values.reshape(1, kv_heads, 1, head_dim)
-        )
-        return _Pending([grouped @ ring_k.swapaxes(-1, -2)], [ring_v], None, 1)
     # Heads h*g .. h*g+g-1 share KV head h: a (g*n, D) block of queries per KV head.
     grouped = rows[:, :n_heads].transpose(2, 1, 0, 3).reshape(1, kv_heads, -1, head_dim)
     keys = rows[:, n_heads:].transpose(2, 1, 0, 3)
     values = values.transpose(2, 1, 0, 3)
-    blocks_k, blocks_v = [keys], [values]
+    parts_k, parts_v = [keys], [values]
     if cache.keys is not None:  # the slab as it stands, then the new tokens
-        blocks_k.insert(0, cache.keys)
-        blocks_v.insert(0, cache.values)
-    scores = [grouped @ k.swapaxes(-1, -2) for k in blocks_k]
-    return _Pending(scores, blocks_v, mask, n, (cache, keys, values))
+        parts_k.insert(0, cache.keys)
+        parts_v.insert(0, cache.values)
+    scores = [grouped @ k.swapaxes(-1, -2) for k in parts_k]
+    numpy = NUMPY_SOFTMAX and sum(s.size for s in scores) >= NUMPY_FROM
+    return _Pending([_Block(scores, parts_v, mask, n, numpy, per_row=False)], (cache, keys, values))
 
 
-def _softmax(pending: _Pending, numpy: bool) -> list[mx.array]:
-    """Probabilities per block, in NumPy or in MLX."""
-    edges = np.cumsum([b.shape[-1] for b in pending.scores])[:-1].tolist()
-    if not numpy:
-        s = mx.concatenate(pending.scores, axis=-1) if len(pending.scores) > 1 else pending.scores[0]
-        if pending.mask is not None:
-            s = (s.reshape(*s.shape[:2], -1, pending.n, s.shape[-1]) + mx.array(pending.mask)).reshape(s.shape)
+def _softmax(block: _Block) -> list[mx.array]:
+    """Probabilities per part, in NumPy or in MLX. Rows are independent:
+    each is masked, maxed, exponentiated and summed on its own."""
+    edges = np.cumsum([b.shape[-1] for b in block.scores])[:-1].tolist()
+    if not block.numpy:
+        s = mx.concatenate(block.scores, axis=-1) if len(block.scores) > 1 else block.scores[0]
+        if block.mask is not None:
+            s = _masked(block, s, mx.array(block.mask))
         p = mx.softmax(s, axis=-1, precise=True)
         return mx.split(p, edges, axis=-1) if edges else [p]
-    blocks = [np.asarray(s) for s in pending.scores]
-    s = np.concatenate(blocks, axis=-1) if len(blocks) > 1 else blocks[0].copy()  # ours to write in place
-    if pending.mask is not None:
-        s.reshape(*s.shape[:2], -1, pending.n, s.shape[-1])[...] += pending.mask
+    parts = [np.asarray(s) for s in block.scores]
+    s = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0].copy()  # ours to write in place
+    if block.mask is not None:
+        _masked(block, s, block.mask)
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s *= 1 / s.sum(axis=-1, keepdims=True)
-    # One copy into MLX per block, contiguous for the value product.
+    # One copy into MLX per part, contiguous for the value product.
     return [mx.array(b) for b in np.split(s, edges, axis=-1)]
 
 
-def attend_all(
-    rows: mx.array, values: mx.array, segments: list[tuple[int, int, SlabCache, np.ndarray | None]], n_heads: int
-) -> mx.array:
+def _masked(block: _Block, s, mask):
+    """Scores plus the block's additive (rows, slots) mask; NumPy scores in
+    place."""
+    if block.per_row:
+        if isinstance(s, np.ndarray):
+            s += mask.reshape(block.rows, 1, 1, -1)
+            return s
+        return s + mask.reshape(block.rows, 1, 1, -1)
+    if isinstance(s, np.ndarray):
+        s.reshape(*s.shape[:2], -1, block.rows, s.shape[-1])[...] += mask
+        return s
+    return (s.reshape(*s.shape[:2], -1, block.rows, s.shape[-1]) + mask).reshape(s.shape)
+
+
+def attend_all(rows: mx.array, values: mx.array, segments: list[tuple], n_heads: int) -> mx.array:
     """The attention output (1, tokens, heads * D) of a pass: `rows` (tokens,
     heads + kv heads, 1, D) holds every token's scaled, rotated query and
     key, `values` (tokens, kv heads, 1, D) its value, and each (start, n,
-    cache, mask) segment attends over its own slab, which gets its new
-    tokens."""
+    cache, plan) segment attends over its own slab, which gets its new
+    tokens; `plan` is `row_masks(...)` for decode rows, `additive_mask(...)`
+    for a prefill chunk."""
     pending = [
-        _plan(rows[start : start + n], values[start : start + n], cache, m, n_heads) for start, n, cache, m in segments
+        _plan_rows(rows[start : start + n], values[start : start + n], cache, plan, n_heads)
+        if isinstance(plan, list)
+        else _plan_chunk(rows[start : start + n], values[start : start + n], cache, plan, n_heads)
+        for start, n, cache, plan in segments
     ]
-    numpy = NUMPY_SOFTMAX and any(sum(s.size for s in p.scores) >= NUMPY_FROM for p in pending)
+    numpy = [b.scores for p in pending for b in p.blocks if b.numpy]
     if numpy:
-        mx.eval([p.scores for p in pending])
+        mx.eval(numpy)
     outputs = []
     for p in pending:
-        probs = _softmax(p, numpy)
-        out = probs[0] @ p.values[0]
-        for w, v in zip(probs[1:], p.values[1:], strict=True):
-            out = out + w @ v
-        if p.write:
-            # Store the new tokens only after the slab was read: MLX updates
-            # the slab's buffer in place, and would otherwise overwrite slots
-            # this output still reads.
-            cache, keys, new_values = p.write
-            cache.write(*mx.depends([keys, new_values], [out]))
-        # (1, kv heads, group * n, D) -> (1, n, heads * D)
-        head_dim = out.shape[-1]
-        outputs.append(out.reshape(n_heads, p.n, head_dim).transpose(1, 0, 2).reshape(1, p.n, -1))
+        for block in p.blocks:
+            probs = _softmax(block)
+            out = probs[0] @ block.values[0]
+            for w, v in zip(probs[1:], block.values[1:], strict=True):
+                out = out + w @ v
+            if p.write:
+                # Store a chunk's tokens only after the slab was read: MLX
+                # updates the slab's buffer in place, and would otherwise
+                # overwrite slots this output still reads.
+                cache, keys, new_values = p.write
+                cache.write(*mx.depends([keys, new_values], [out]))
+            # -> (1, rows, heads * D)
+            if block.per_row:  # (rows, kv heads, group, D): a row's heads in order already
+                outputs.append(out.reshape(1, block.rows, -1))
+            else:
+                head_dim = out.shape[-1]
+                outputs.append(out.reshape(n_heads, block.rows, head_dim).transpose(1, 0, 2).reshape(1, block.rows, -1))
     return mx.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]

@@ -33,6 +33,12 @@ def worker(
     max_append_tokens: int = typer.Option(
         p.DEFAULT_MAX_APPEND_TOKENS, min=1, help="Refuse one append (or a chat's messages) longer than this."
     ),
+    draft_model: str | None = typer.Option(
+        None, help="Draft model for speculative decoding (GGUF or mlx-lm dir; its tokenizer must be the model's)."
+    ),
+    draft_quantized: bool = typer.Option(
+        False, help="Keep the draft model's weights quantized (on a CPU they are otherwise dequantized)."
+    ),
     server_key: str | None = typer.Option(
         None,
         envvar="KVMUX_SERVER_KEY",
@@ -67,6 +73,8 @@ def worker(
         max_append_tokens=max_append_tokens,
         server_key=server_key or "",
         curve_secret=curve_secret or "",
+        draft_model=draft_model,
+        draft_quantized=draft_quantized,
     )
     raise typer.Exit(Worker(config).run())
 

@@ -11,6 +11,7 @@ control, `[name]` or `[name, payload]`:
                      STOP          the drain is done: save the sessions and end
     compute -> I/O   LOADED, ready the model is loaded; payload: the READY body
                      FAILED        loading or the compute loop died
+                     FAILED, REFUSED  the model or draft model cannot be served
                      STATUS, body  slabs and jobs changed; payload: `Status`
 """
 
@@ -25,6 +26,7 @@ CANCEL_ALL = b"cancel_all"
 STOP = b"stop"
 LOADED = b"loaded"
 FAILED = b"failed"
+REFUSED = b"refused"
 STATUS = b"status"
 
 
@@ -36,6 +38,8 @@ class Status(msgspec.Struct, array_like=True):
     running: int  # jobs (appends and generates) in progress
     sessions: list[str]  # live sessions held in slabs
     draining: bool = False  # DRAIN was seen: `running` counts every job there will be
+    drafted: int = 0  # speculative decoding, over the worker's life: tokens drafted
+    accepted: int = 0  # and accepted
 
 
 def encode_status(status: Status) -> bytes:

@@ -98,7 +98,7 @@ def restore(store: Store, engine: Engine, session_id: str) -> tuple[Session, int
     if record.snapshot is not None:
         try:
             session.slab, session.logits = snapshot.load(
-                store.slab_path(session_id, record.snapshot), record.sink, record.window, len(engine.model.layers)
+                store.slab_path(session_id, record.snapshot), engine.make_slab(record.sink, record.window)
             )
         except (ValueError, OSError) as exc:
             raise ProtocolError(ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: {exc}") from None

@@ -1,9 +1,13 @@
-"""Sessions and the compute they need: chunked prefill and token-by-token
-decode on a session's own slab.
+"""Sessions and the compute they need: chunked prefill, and decode (a token
+per pass, or a speculative verify pass of drafted tokens) on a session's
+own slab.
 
-Both are generators that yield at every chunk or token boundary, so the
-scheduler can interleave sessions, batch their decode steps, and honour a
-cancel at the next boundary.
+Both are coroutines that yield explicit events: a `Step` (tokens to run
+through the slab; the scheduler answers with the logits, from one pass
+shared by every session with work) and, while decoding, a `Decoded` token
+(the scheduler sends it, and answers whether the job was cancelled). The
+scheduler owns sending, flow control and cancel; the engine owns what is
+computed and what it means.
 A session's invariant: its slab holds every history token, and `logits` are
 the model's output after the last one, so a generate may start sampling at
 once and a cancelled or finished generation leaves slab and logits in step.
@@ -11,31 +15,41 @@ once and a cancelled or finished generation leaves slab and logits in step.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
+from kvmux import logs
 from kvmux.protocol import (
     DEFAULT_MAX_APPEND_TOKENS,
     DEFAULT_MAX_TOKENS_LIMIT,
     ErrorCode,
     ProtocolError,
     Sampling,
+    SpeculativeMode,
     StopReason,
 )
 
 from . import forward
 from .conversation import Conversation
+from .drafter import DraftCache, Drafter
+from .lookup import SEPARATOR, Lookup
 from .model import LoadedModel
-from .slab import SlabCache, live_bytes, make_slab
+from .slab import SlabCache, live_bytes, make_slab, rewind
+from .speculative import MAX_DRAFT, DraftLength, Proposal, accept_greedy, accept_sampled, distributions
 from .stops import StopMatcher
+
+log = logs.get("worker.engine")
 
 DEFAULT_MAX_TOKENS = 256
 PREFILL_CHUNK = 128  # tokens per prefill step when no other session is decoding (else worker/pace.py)
+RECENT_TOKENS = 1 << 16  # replies of all sessions the worker-wide lookup keeps
 
 
 @dataclass
@@ -59,6 +73,10 @@ class Session:
     replay: list[int] = field(default_factory=list)  # sizes of the chunks run since the snapshot
     restores: int = 0
     last_restore_s: float = 0.0
+    # speculative decoding (worker/speculative.py)
+    lookup: Lookup = field(default_factory=Lookup)  # follows `history`
+    drafting: DraftLength = field(default_factory=DraftLength)
+    draft: DraftCache | None = None  # the draft model's cache, when the worker has one
 
     @property
     def dropped(self) -> int:
@@ -66,7 +84,7 @@ class Session:
 
     @property
     def kv_live_bytes(self) -> int:
-        return live_bytes(self.slab)
+        return live_bytes(self.slab) + (live_bytes(self.draft.slab) if self.draft else 0)
 
 
 @dataclass
@@ -77,13 +95,16 @@ class GenerationParams:
     top_k: int
     seed: int
     stop: list[str]
+    speculative: SpeculativeMode
 
 
 @dataclass
 class Step:
-    """A job's ask at a boundary: run `tokens` (a decode step's one lazy
-    token, or a prefill chunk) through the session's slab and send back the
-    logits after the last; the scheduler runs every job's step in one pass."""
+    """Compute: run `tokens` through the session's slab. Decode rows (a
+    decode step's one token, or a verify pass's last token and drafts) are
+    answered with the logits after each, a prefill chunk with those after
+    its last; the scheduler runs every job's step in one pass and resumes
+    the job with (logits, cancelled)."""
 
     session: Session
     tokens: mx.array
@@ -92,10 +113,21 @@ class Step:
 
 @dataclass
 class Decoded:
-    """What one decode step produced: the token and the text now safe to send."""
+    """A decoded token and the text now safe to send; the scheduler sends
+    it and resumes the job with whether it was cancelled."""
 
     token: int
     text: str
+
+
+@dataclass
+class Decoding:
+    """How a generation ended."""
+
+    reason: StopReason
+    text: str
+    drafted: int = 0  # tokens proposed to the verifier
+    accepted: int = 0  # of them, the ones that stood
 
 
 class Engine:
@@ -106,7 +138,12 @@ class Engine:
         max_window: int,
         max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
         max_append_tokens: int = DEFAULT_MAX_APPEND_TOKENS,
+        draft: LoadedModel | None = None,
+        most_rows: int = 4 * (MAX_DRAFT + 1) + PREFILL_CHUNK,
     ):
+        """`draft`: a draft model (its tokenizer already checked against the
+        verifier's); `most_rows`: the most tokens one pass runs (slabs times
+        a verify pass, plus a prefill chunk), for the row calibration."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -117,11 +154,30 @@ class Engine:
         self.max_append_tokens = max_append_tokens
         self.eos = set(self.tokenizer.eos_token_ids)
         self.shared_passes = forward.supported(self.model)  # sessions share forward passes
+        # Speculative decoding needs the row-invariant pass (worker/forward.py).
+        self.speculative = self.shared_passes
+        self.floors = forward.calibrate(self.model, most_rows) if self.shared_passes else forward.Floors()
+        log.info("rows_calibrated", most_rows=most_rows, **dataclasses.asdict(self.floors))
+        self.drafter = Drafter(draft) if draft and self.speculative else None
+        self.recent = Lookup(bound=RECENT_TOKENS)  # replies of every session, for greedy lookups
+        self.drafted = self.accepted = 0  # over the worker's life, for stats
 
     # ------------------------------------------------------------ sessions
 
+    @property
+    def spare(self) -> int:
+        """Slots a slab keeps beyond its window, for a verify pass's drafts."""
+        return MAX_DRAFT if self.speculative else 0
+
     def slab_bytes(self, sink: int, window: int) -> int:
-        return (sink + window) * self.loaded.kv_bytes_per_token
+        """A session's KV memory when full: its slab, and its draft cache."""
+        slots = sink + window + self.spare
+        return slots * (
+            self.loaded.kv_bytes_per_token + (self.drafter.loaded.kv_bytes_per_token if self.drafter else 0)
+        )
+
+    def make_slab(self, sink: int, window: int) -> list[SlabCache]:
+        return make_slab(len(self.model.layers), sink, window, self.spare)
 
     def new_session(
         self, session_id: str, sink: int | None, window: int | None, system: str | None, defaults: Sampling | None
@@ -138,9 +194,10 @@ class Engine:
             id=session_id,
             sink=sink,
             window=window,
-            slab=make_slab(len(self.model.layers), sink, window),
+            slab=self.make_slab(sink, window),
             conversation=Conversation(self.tokenizer, system),
             defaults=defaults,
+            draft=self.drafter.new_cache(sink, window) if self.drafter else None,
         )
 
     def params(self, request: Sampling, defaults: Sampling) -> GenerationParams:
@@ -157,8 +214,18 @@ class Engine:
             top_k=pick("top_k", 0),
             seed=pick("seed", int.from_bytes(os.urandom(4), "little")),
             stop=pick("stop", []),
+            speculative=pick("speculative", SpeculativeMode.AUTO.value),
         )
         problems = []
+        try:
+            params.speculative = SpeculativeMode(params.speculative)
+        except ValueError:
+            problems.append(f"speculative must be one of {', '.join(m.value for m in SpeculativeMode)}")
+        else:
+            if params.speculative in (SpeculativeMode.LOOKUP, SpeculativeMode.DRAFT) and not self.speculative:
+                problems.append(f"speculative={params.speculative.value}: this model decodes one token per pass")
+            elif params.speculative is SpeculativeMode.DRAFT and not self.drafter:
+                problems.append("speculative=draft: this worker has no draft model (kvmux serve --draft-model)")
         if not 1 <= params.max_tokens <= self.max_tokens_limit:
             problems.append(f"max_tokens must be within 1..{self.max_tokens_limit} (the worker's --max-tokens-limit)")
         if params.temperature < 0:
@@ -185,93 +252,171 @@ class Engine:
 
     # ------------------------------------------------------------ compute
 
-    def _forward(self, session: Session, tokens: mx.array) -> mx.array:
+    def _forward(self, session: Session, tokens: mx.array, decode: bool) -> mx.array:
         if self.shared_passes:
-            return forward.forward(self.model, [forward.Segment(tokens, session.slab)])[0]
+            return forward.forward(self.model, [forward.Segment(tokens, session.slab, decode)], self.floors)[0]
         return self.model(tokens[None], cache=session.slab)[:, -1, :]
 
-    def prefill(self, session: Session, chunk: Callable[[], int], should_stop: Callable[[], bool]):
+    def prefill(self, session: Session, chunk: Callable[[], int]):
         """Run the session's pending tokens through its slab, `chunk()`
-        tokens per step (a coroutine like `decode`). What a stop leaves
-        pending goes in with the next append or generate."""
-        while session.pending and not should_stop():
+        tokens per step (the scheduler's pace), until done or cancelled.
+        What a cancel leaves pending goes in with the next append or
+        generate. Returns whether it was cancelled."""
+        while session.pending:
             tokens = session.pending[: chunk()]
-            logits = yield Step(session, mx.array(tokens), decode=False)
+            logits, cancelled = yield Step(session, mx.array(tokens), decode=False)
             mx.eval(logits, [layer.state for layer in session.slab])
             session.logits = logits
             session.history.extend(tokens)
             session.replay.append(len(tokens))
             del session.pending[: len(tokens)]
+            if cancelled:
+                return True
+        return False
 
     def run_chunk(self, session: Session, tokens: list[int]) -> mx.array:
-        """Run tokens through the slab as one chunk; the logits after the last."""
-        logits = self._forward(session, mx.array(tokens))
+        """Run tokens through the slab as one chunk (a single token as a
+        decode step); the logits after the last."""
+        logits = self._forward(session, mx.array(tokens), decode=len(tokens) == 1)
         mx.eval(logits, [layer.state for layer in session.slab])
         return logits
 
-    def decode(
-        self,
-        session: Session,
-        params: GenerationParams,
-        emit: Callable[[Decoded], None],
-        should_stop: Callable[[], bool],
-    ):
-        """Sample up to max_tokens tokens, each run through the slab.
+    def decode(self, session: Session, params: GenerationParams):
+        """Sample up to max_tokens tokens, each run through the slab; a
+        coroutine of `Step`s and `Decoded`s that returns a `Decoding`.
 
-        A coroutine: it yields a `Step` per token and is sent back the
-        logits that follow it, so the scheduler can run one forward pass for
-        every session with work at that moment (`forward_batch`). Returns
-        (StopReason, generated text). As in mlx-lm's generate_step, the next token is
-        computed asynchronously while this one is detokenized and sent.
+        Each step runs the token to feed (and, when speculating, the drafts
+        after it) as decode rows. Without drafts the next token is sampled
+        asynchronously while this one is detokenized and sent, as in
+        mlx-lm's generate_step. With drafts the verify pass's choices decide
+        which stand; the rest are taken back out of the slab. Every exit
+        leaves the slab holding exactly the tokens sent and `logits` after
+        the last of them.
         """
         if session.logits is None:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
         sampler = make_sampler(params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0, top_k=params.top_k)
+        sampling = (params.temperature, params.top_p, params.top_k) if params.temperature else None
 
         def sample(logits: mx.array, step: int) -> mx.array:
+            if not params.temperature:
+                return mx.argmax(logits, axis=-1)  # on the logits as they are: the verify pass's choice too
             # Reseed per step: sessions interleave on one global PRNG, and a
             # seed must give the same tokens however they interleave.
-            if params.temperature:
-                mx.random.seed((params.seed * 1_000_003 + step) & 0xFFFFFFFF)
+            mx.random.seed((params.seed * 1_000_003 + step) & 0xFFFFFFFF)
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
         detok = self.tokenizer.detokenizer
         stops = StopMatcher(params.stop)
+        result = Decoding(StopReason.CANCELLED, "")
+        emitted, cancelled, known = 0, False, None
         y = sample(session.logits, 0)
-        for step in range(params.max_tokens):
-            logits = yield Step(session, y, decode=True)
-            y_next = sample(logits, step + 1)
-            mx.async_eval(y_next)
-            token = y.item()
-            session.history.append(token)
-            session.replay.append(1)
-            is_eos = token in self.eos
-            if not is_eos:
-                detok.add_token(token)
-            reason = None
-            if is_eos:
-                reason = StopReason.EOS
-            elif step + 1 == params.max_tokens:
-                reason = StopReason.MAX_TOKENS
-            elif should_stop():
-                reason = StopReason.CANCELLED
-            if reason:
-                detok.finalize()
-            text, hit = stops.push(detok.last_segment)
-            if hit:
-                reason = StopReason.STOP
-            elif reason:
-                text += stops.flush()  # nothing more can complete a stop string
-            emit(Decoded(token, text))
-            if reason:
-                mx.eval(logits, [layer.state for layer in session.slab])
-                session.logits = logits
-                return reason, detok.text
+        while True:
+            rng = np.random.default_rng([params.seed & 0xFFFFFFFF, emitted]) if sampling else None
+            proposal = self._propose(session, params, y, known, params.max_tokens - emitted - 1, rng)
+            tokens = mx.concatenate([y, mx.array(proposal.tokens)]) if proposal else y
+            logits, cancelled = yield Step(session, tokens, decode=True)
+            if proposal:
+                if sampling:
+                    kept, following = accept_sampled(distributions(logits, *sampling), proposal, rng)
+                else:
+                    choices = mx.argmax(logits, axis=-1).tolist()
+                    kept = accept_greedy(choices, proposal.tokens)
+                    following = choices[kept]
+                session.drafting.update(len(proposal.tokens), kept)
+                result.drafted += len(proposal.tokens)
+                result.accepted += kept
+                self.drafted += len(proposal.tokens)
+                self.accepted += kept
+                y_next, known = mx.array([following]), following
+                new = [y.item(), *proposal.tokens[:kept]]
+            else:
+                y_next, known = sample(logits, emitted + 1), None
+                mx.async_eval(y_next)
+                new = [y.item()]
+            for i, token in enumerate(new):
+                emitted += 1
+                session.history.append(token)
+                session.replay.append(1)
+                is_eos = token in self.eos
+                if not is_eos:
+                    detok.add_token(token)
+                reason = None
+                if is_eos:
+                    reason = StopReason.EOS
+                elif emitted == params.max_tokens:
+                    reason = StopReason.MAX_TOKENS
+                elif cancelled:
+                    reason = StopReason.CANCELLED
+                if reason:
+                    detok.finalize()
+                text, hit = stops.push(detok.last_segment)
+                if hit:
+                    reason = StopReason.STOP
+                elif reason:
+                    text += stops.flush()  # nothing more can complete a stop string
+                cancelled = yield Decoded(token, text)
+                if reason:
+                    self._settle(session, len(tokens), i + 1, proposal)
+                    session.logits = logits[i : i + 1]
+                    mx.eval(session.logits, [layer.state for layer in session.slab])
+                    result.reason, result.text = reason, detok.text
+                    self._remember(session, params, emitted)
+                    return result
+            self._settle(session, len(tokens), len(new), proposal)
             y = y_next
 
+    def _propose(
+        self, session: Session, params: GenerationParams, y: mx.array, known: int | None, room: int, rng
+    ) -> Proposal | None:
+        """Drafts to verify after `y` (its value `known` when a verify pass
+        chose it, else still being computed), at most `room` of them; None to
+        decode `y` alone. Lookup first (free), then the draft model."""
+        mode = params.speculative
+        if mode is SpeculativeMode.OFF or not self.speculative or room < 1:
+            return None
+        k = min(session.drafting.allowed(), room)
+        if not k:
+            return None
+        sources = [] if mode is SpeculativeMode.DRAFT else [session.lookup]
+        if mode is not SpeculativeMode.DRAFT and not params.temperature:
+            # Other sessions' replies; greedy only: a sampled reply must
+            # repeat from its seed, whatever the worker saw since.
+            sources.append(self.recent)
+        session.lookup.follow(session.history)
+        drafter = self.drafter if mode is not SpeculativeMode.LOOKUP else None
+        # Waiting for `y` would stall the pipelined decode: without a draft
+        # model, only where the history so far already matches something.
+        if known is None and not drafter and not any(source.propose(session.history[-32:], 1) for source in sources):
+            return None
+        last = y.item() if known is None else known
+        context = [*session.history[-32:], last]
+        for source in sources:
+            drafts = source.propose(context, k)
+            if drafts:
+                return Proposal(drafts)
+        if drafter:
+            sampling = (params.temperature, params.top_p, params.top_k) if params.temperature else None
+            return drafter.propose(session.draft, session.history, last, k, sampling, rng)
+        return None
+
+    def _settle(self, session: Session, ran: int, kept: int, proposal: Proposal | None) -> None:
+        """After a step: of the `ran` tokens run through the slab, `kept`
+        are in the history; take the rest back out (of the draft cache too)."""
+        rewind(session.slab, ran - kept)
+        if proposal and proposal.drafted:
+            self.drafter.settle(session.draft, kept)
+
+    def _remember(self, session: Session, params: GenerationParams, emitted: int) -> None:
+        """A finished reply goes into the worker-wide lookup."""
+        if self.speculative and params.speculative is not SpeculativeMode.OFF:
+            self.recent.extend([*session.history[-emitted:], SEPARATOR])
+
     def forward_batch(self, steps: list[Step]) -> list[mx.array]:
-        """The logits after each step's tokens, in one shared pass where the
-        model allows it (lazy: computed when a session reads them)."""
+        """The logits of each step's tokens (see `Step`), in one shared pass
+        where the model allows it (lazy: computed when a session reads them)."""
         if len(steps) > 1 and self.shared_passes:
-            return forward.forward(self.model, [forward.Segment(s.tokens, s.session.slab) for s in steps])
-        return [self._forward(s.session, s.tokens) for s in steps]
+            return forward.forward(
+                self.model, [forward.Segment(s.tokens, s.session.slab, s.decode) for s in steps], self.floors
+            )
+        return [self._forward(s.session, s.tokens, s.decode) for s in steps]

@@ -1,5 +1,6 @@
 """One forward pass for several sessions at once: each brings its own new
-tokens (one for a decode step, a chunk for a prefill) and its own slab.
+tokens (a decode step's one token, a verify pass's last token and drafts,
+or a prefill chunk) and its own slab.
 
 On a CPU (and a GPU) a pass is bound by reading the weights: running every
 session's tokens through one pass reads them once. Embedding, projections,
@@ -8,36 +9,119 @@ session on its own slab (worker/attention.py), so slabs stay separate and
 sessions of any length, sink and window share a pass, a prefill chunk
 included.
 
+Decode rows are row-invariant: a row's logits do not depend on what else
+is in the pass. Attention makes them so by construction. The projections
+are matmuls, and BLAS picks its kernel by the matrix's shape: OpenBLAS sums
+a row of a 1-row product in another order than the same row of a 7-row one
+(for some shapes, not others). `calibrate` finds, per projection, the
+fewest rows from which every row count gives identical rows, and a pass
+pads that projection's rows up to its floor (a lone session's plain decode
+step pays 5-10 % for it: docs/design.md). Greedy speculative decoding, batched decoding and a session alone
+then give the same tokens (docs/design.md, "Speculative decoding").
+
 Written against mlx-lm's llama module (the embedded model's); other
 architectures run through their own mlx-lm module, a session at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu
 
-from .attention import additive_mask, attend_all
+from .attention import additive_mask, attend_all, row_masks
 from .slab import SlabCache
 
 
 @dataclass
 class Segment:
-    """A session's share of a pass: its new tokens and its slab."""
+    """A session's share of a pass: its new tokens and its slab. `rows`
+    (decode rows: one token, or a verify pass's tokens) gives the logits
+    after every token, else (a prefill chunk) after the last only."""
 
     tokens: mx.array  # (n,) token ids
     slab: list[SlabCache]
+    rows: bool = False
+
+
+@dataclass
+class Floors:
+    """Rows each projection is padded to (see `calibrate`)."""
+
+    q: int = 1
+    k: int = 1
+    v: int = 1
+    o: int = 1
+    gate: int = 1
+    up: int = 1
+    down: int = 1
+    head: int = 1
 
 
 def supported(model: nn.Module) -> bool:
     return type(model) is llama.Model and not any(layer.use_sliding for layer in model.model.layers)
 
 
-def forward(model: llama.Model, segments: list[Segment]) -> list[mx.array]:
-    """The logits (1, vocab) after each segment's last token (lazy)."""
+def _padded(f: Callable[[mx.array], mx.array], x: mx.array, floor: int) -> mx.array:
+    """f over x's rows (axis 1), run on at least `floor` rows."""
+    rows = x.shape[1]
+    if rows >= floor:
+        return f(x)
+    pad = mx.zeros((x.shape[0], floor - rows, *x.shape[2:]), x.dtype)
+    return f(mx.concatenate([x, pad], axis=1))[:, :rows]
+
+
+def _floor(f: Callable[[mx.array], mx.array], width: int, counts: list[int]) -> int:
+    """The fewest rows from which `f` gives every row the same bits for
+    every row count in `counts`, wherever the row sits."""
+    most = max(counts)
+    x = mx.random.normal((1, most, width), key=mx.random.key(most + width))
+    whole = f(x)
+    shifted = f(mx.roll(x, 3, axis=1))
+    mx.eval(whole, shifted)
+    if not mx.array_equal(shifted, mx.roll(whole, 3, axis=1)).item():
+        return most + 1  # rows depend on where they sit: pad every pass to beyond any count we use
+    floor = 1
+    for n in counts:
+        if not mx.array_equal(f(x[:, :n]), whole[:, :n]).item():
+            floor = n + 1
+    return floor
+
+
+def calibrate(model: llama.Model, most_rows: int) -> Floors:
+    """Floors for a pass of up to `most_rows` rows (~1 s of small matmuls at
+    load). Every layer's projections have the first layer's shapes, and BLAS
+    picks its kernel by shape: the first layer's stand for all."""
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    counts = [*range(1, 33), 48, 64, 96, 128, 192, 256, most_rows]
+    counts = sorted({n for n in counts if n <= most_rows})
+    head_counts = [n for n in counts if n <= min(most_rows, 64)]  # the head's rows: decode rows and chunk ends
+    linears = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
+    linears |= {"gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+    floors = {name: _floor(linear, _width(linear), counts) for name, linear in linears.items()}
+    return Floors(**floors, head=_floor(partial(_head, model), model.args.hidden_size, head_counts))
+
+
+def _width(linear: nn.Module) -> int:
+    """Input features of a Linear or a QuantizedLinear."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return linear.weight.shape[1] * 32 // linear.bits
+    return linear.weight.shape[1]
+
+
+def _head(model: llama.Model, h: mx.array) -> mx.array:
+    return model.model.embed_tokens.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
+
+
+def forward(model: llama.Model, segments: list[Segment], floors: Floors) -> list[mx.array]:
+    """Per segment, the logits (rows, vocab) after each of its tokens (decode
+    rows) or after its last (a prefill chunk); lazy."""
     lengths = [s.tokens.shape[0] for s in segments]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     total = sum(lengths)
@@ -45,26 +129,42 @@ def forward(model: llama.Model, segments: list[Segment]) -> list[mx.array]:
     h = model.model.embed_tokens(tokens[None])
     offsets = [segment.slab[0].offset for segment in segments]  # every layer's, before this pass
     positions = mx.array([offset + i for offset, n in zip(offsets, lengths, strict=True) for i in range(n)])
-    masks = [additive_mask(segment.slab[0], n) for segment, n in zip(segments, lengths, strict=True)]
+    # Masks depend on the slab's positions only: made once for every layer.
+    plans = [
+        row_masks(s.slab[0], n) if s.rows or n == 1 else additive_mask(s.slab[0], n)
+        for s, n in zip(segments, lengths, strict=True)
+    ]
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
+        q = _padded(attn.q_proj, x, floors.q)
+        k = _padded(attn.k_proj, x, floors.k)
+        v = _padded(attn.v_proj, x, floors.v)
         # Queries scaled here, once for the pass (rope is linear), then
         # queries and keys of every token rotated in one rope call: MLX's
         # CPU rope costs ~0.13 ms a call whatever its size.
         rows = mx.concatenate(
-            [
-                (attn.q_proj(x) * attn.scale).reshape(total, attn.n_heads, 1, -1),
-                attn.k_proj(x).reshape(total, attn.n_kv_heads, 1, -1),
-            ],
-            axis=1,
+            [(q * attn.scale).reshape(total, attn.n_heads, 1, -1), k.reshape(total, attn.n_kv_heads, 1, -1)], axis=1
         )
         rows = attn.rope(rows, offset=positions)
-        values = attn.v_proj(x).reshape(total, attn.n_kv_heads, 1, -1)
-        here = [(start, n, s.slab[index], m) for start, n, s, m in zip(starts, lengths, segments, masks, strict=True)]
-        h = h + attn.o_proj(attend_all(rows, values, here, attn.n_heads))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    last = mx.array([start + n - 1 for start, n in zip(starts, lengths, strict=True)])
-    h = model.model.norm(h[:, last])
-    logits = model.model.embed_tokens.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
-    return [logits[:, i] for i in range(len(segments))]
+        values = v.reshape(total, attn.n_kv_heads, 1, -1)
+        here = [
+            (start, n, s.slab[index], plan) for start, n, s, plan in zip(starts, lengths, segments, plans, strict=True)
+        ]
+        h = h + _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads), floors.o)
+        x = layer.post_attention_layernorm(h)
+        mlp = layer.mlp  # mlx-lm's llama MLP, its projections padded one by one
+        gated = swiglu(_padded(mlp.gate_proj, x, floors.gate), _padded(mlp.up_proj, x, floors.up))
+        h = h + _padded(mlp.down_proj, gated, floors.down)
+    wanted = [
+        i
+        for start, n, s in zip(starts, lengths, segments, strict=True)
+        for i in (range(start, start + n) if s.rows else [start + n - 1])
+    ]
+    logits = _padded(partial(_head, model), model.model.norm(h[:, mx.array(wanted)]), floors.head)[0]
+    out, at = [], 0
+    for n, s in zip(lengths, segments, strict=True):
+        count = n if s.rows else 1
+        out.append(logits[at : at + count])
+        at += count
+    return out

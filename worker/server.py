@@ -46,6 +46,8 @@ class WorkerConfig:
     max_append_tokens: int = p.DEFAULT_MAX_APPEND_TOKENS
     server_key: str = ""  # the broker's CURVE public key (z85 or its .key file): CURVE on
     curve_secret: str = ""  # this worker's secret key (z85 or a .key_secret file)
+    draft_model: str | None = None  # a draft model for speculative decoding
+    draft_quantized: bool = False  # keep the draft's quantized weights (smaller; slower on a CPU)
 
 
 class Worker:
@@ -74,20 +76,28 @@ class Worker:
 
             from kvmux.store import Store, store_id
 
-            from .engine import Engine
+            from .drafter import check_tokenizers
+            from .engine import PREFILL_CHUNK, Engine
             from .model import load
             from .scheduler import Scheduler
             from .slab import SlabPool
+            from .speculative import MAX_DRAFT
 
             # MLX streams belong to the thread that made them.
             mx.set_default_stream(mx.new_stream(mx.default_device()))
             loaded = load(self.config.model)
+            draft = None
+            if self.config.draft_model:
+                draft = load(self.config.draft_model, keep_quantized=self.config.draft_quantized or None)
+                check_tokenizers(loaded, draft)
             engine = Engine(
                 loaded,
                 max_sink=self.config.sink,
                 max_window=self.config.window,
                 max_tokens_limit=self.config.max_tokens_limit,
                 max_append_tokens=self.config.max_append_tokens,
+                draft=draft,
+                most_rows=self.config.slabs * (MAX_DRAFT + 1) + PREFILL_CHUNK,
             )
             store = Store(self.config.state_dir)
             scheduler = Scheduler(
@@ -108,6 +118,9 @@ class Worker:
             pipe.send_multipart([control.LOADED, p.encode(ready)])
             scheduler.run()
             scheduler.save_all()
+        except (FileNotFoundError, ValueError) as exc:  # a model that cannot be served: the config's to fix
+            log.error("model_refused", error=str(exc))
+            pipe.send_multipart([control.FAILED, control.REFUSED])
         except BaseException:
             log.exception("compute_failed")
             pipe.send(control.FAILED)
@@ -118,15 +131,16 @@ class Worker:
 
     def run(self) -> int:
         """Start the compute thread, register once the model is loaded, then
-        relay frames until a drain is done: 0, or 1 when the compute thread
-        failed."""
+        relay frames until a drain is done: 0; 1 when the compute thread
+        failed; 2 when the model (or draft model) was refused at load."""
         self.pipe = self.ctx.socket(zmq.PAIR)
         self.pipe.bind(control.PIPE)
         compute = threading.Thread(target=self._compute, name="kvmux-compute", daemon=True)
         compute.start()
         first = self.pipe.recv_multipart()
         if first[0] != control.LOADED:
-            return 1
+            compute.join(timeout=10)  # let it let go of MLX: exiting under it aborts the process
+            return 2 if first[1:] == [control.REFUSED] else 1
         self.ready_body = first[1]
         signal.signal(signal.SIGTERM, self._request_drain)
         signal.signal(signal.SIGINT, self._request_drain)
@@ -209,7 +223,14 @@ class Worker:
         status = self.status
         draining = self.drain_requested
         self._send_broker(
-            Op.HEARTBEAT, p.WorkerHeartbeat(free_slabs=status.free_slabs, running=status.running, draining=draining)
+            Op.HEARTBEAT,
+            p.WorkerHeartbeat(
+                free_slabs=status.free_slabs,
+                running=status.running,
+                draining=draining,
+                drafted=status.drafted,
+                accepted=status.accepted,
+            ),
         )
         self.next_beat = time.monotonic() + self.config.heartbeat_s
 

@@ -11,75 +11,110 @@ from mlx_lm.models.cache import RotatingKVCache
 class SlabCache(RotatingKVCache):
     """mlx-lm's RotatingKVCache, with one attention rule for every token: a
     query at position P sees the sink and the last `window` positions up to
-    P, itself included, whether its token came alone or inside a chunk (a
-    single decode step always did; the stock multi-token path let a chunk's
-    later tokens see `sink` more and hid the sink from most of the chunk).
+    P, itself included, whether its token came alone, inside a prefill chunk
+    or inside a speculative verify pass.
 
-    A multi-token update writes the new tokens into the ring in place and
-    returns the slab as it stood plus the new keys, which `make_mask` masks
-    by the position each slot holds: one copy of the slab where the stock
-    path made three (temporal reorder, concatenation, trim back), and the
-    stored arrays never exceed `max_size`. worker/attention.py attends over
-    the same two blocks without even that copy.
+    The ring holds `spare` slots more than the window: a verify pass writes
+    its k drafted tokens before it knows how many the model accepts, and the
+    rejected ones are taken back (`rewind`) without having overwritten any
+    position a later query can see (llama.cpp sizes its sliding-window cache
+    at window + batch for the same reason). mlx-lm's cache cannot be trimmed
+    once it has wrapped; this one can, by up to `spare` tokens.
+
+    Tokens are written into the ring in place (`write`); the arrays grow by
+    `step` slots while the slab is not full, so `kv_live_bytes` is what a
+    session really holds. worker/attention.py reads the slots where they
+    are, masked by the position each holds (`positions`).
     """
 
-    def __init__(self, max_size: int, keep: int = 0):
-        super().__init__(max_size, keep=keep)
-        # Decode steps grow the arrays by `step` slots: mlx-lm's 256, but at
-        # most an eighth of the slab, so a small slab also grows as it fills.
-        self.step = max(16, min(256, max_size // 8))
+    def __init__(self, sink: int, window: int, spare: int = 0):
+        super().__init__(sink + window + spare, keep=sink)
+        self.window = window
+        self.spare = spare
+        # Arrays grow by `step` slots: mlx-lm's 256, but at most an eighth of
+        # the slab, so a small slab also grows as it fills.
+        self.step = max(16, min(256, self.max_size // 8))
 
     @property
-    def window(self) -> int:
+    def ring(self) -> int:
+        """Slots after the sink: the window and the spare room."""
         return self.max_size - self.keep
 
-    def positions(self) -> np.ndarray:
-        """The position each stored slot holds (-1: not written yet)."""
-        slots = self.keys.shape[2]
-        if self.offset <= slots and self._idx == self.offset:  # not wrapped: slot i holds position i
-            pos = np.arange(slots)
-            pos[self.offset :] = -1
-            return pos
+    def positions(self, slots: int | None = None, ahead: int = 0) -> np.ndarray:
+        """The position each of the first `slots` stored slots holds (-1: not
+        written yet), once `ahead` more tokens are written."""
+        slots = self.keys.shape[2] if slots is None else slots
+        offset, idx = self.offset + ahead, self._idx
+        while ahead:  # write()'s walk through the ring, without the arrays
+            if idx == self.max_size:
+                idx = self.keep
+            run = min(ahead, self.max_size - idx)
+            idx += run
+            ahead -= run
+        slot = np.arange(slots)
+        if idx == offset:  # not wrapped: slot i holds position i
+            return np.where(slot < offset, slot, -1)
         # Wrapped: the sink, then a ring whose newest entry sits just before
         # _idx (mlx-lm's convention, whatever chunking led here).
-        slot = np.arange(slots)
-        back = (self._idx - 1 - slot) % self.window
-        return np.where(slot < self.keep, slot, self.offset - 1 - back)
+        back = (idx - 1 - slot) % self.ring
+        return np.where(slot < self.keep, slot, offset - 1 - back)
 
     def visible(self, n: int, window: int | None = None) -> np.ndarray:
         """(n, stored slots + n) bool: what each of `n` new tokens may see of
         the slab as it stands followed by the new tokens themselves."""
         query = self.offset + np.arange(n)
         key = query if self.keys is None else np.concatenate([self.positions(), query])
+        return self.sees(query, key, window)
+
+    def sees(self, query: np.ndarray, key: np.ndarray, window: int | None = None) -> np.ndarray:
+        """(queries, keys) bool: whether a query at each position sees a key
+        at each position (-1: an empty slot)."""
         window = min(self.window, window or self.window)
         q, k = query[:, None], key[None, :]
         return (k >= 0) & (k <= q) & ((k < self.keep) | (k > q - window))
 
     def write(self, keys: mx.array, values: mx.array) -> None:
-        """Store new tokens: appended while the arrays are shorter than the
-        slab (exactly as long as needed: decode steps grow them by `step`),
-        then in place in the ring, a contiguous run of slots at a time
-        (mlx-lm's single-token update, generalised)."""
+        """Store new tokens in place, a contiguous run of slots at a time
+        (mlx-lm's single-token update, generalised), growing the arrays as
+        needed until the slab is full, then wrapping after the sink."""
         total, done = keys.shape[2], 0
         while done < total:
-            stored = 0 if self.keys is None else self.keys.shape[2]
-            if self._idx == stored < self.max_size:  # not full yet: append
-                run = min(total - done, self.max_size - stored)
-                new_k, new_v = keys[..., done : done + run, :], values[..., done : done + run, :]
-                if self.keys is None:
-                    self.keys, self.values = new_k, new_v
-                else:
-                    self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                    self.values = mx.concatenate([self.values, new_v], axis=2)
-            else:
-                if self._idx == self.max_size:
-                    self._idx = self.keep
-                run = min(total - done, stored - self._idx)
-                self.keys[..., self._idx : self._idx + run, :] = keys[..., done : done + run, :]
-                self.values[..., self._idx : self._idx + run, :] = values[..., done : done + run, :]
+            if self._idx == self.max_size:
+                self._idx = self.keep
+            run = min(total - done, self.max_size - self._idx)
+            self._reserve(self._idx + run, keys)
+            self.keys[..., self._idx : self._idx + run, :] = keys[..., done : done + run, :]
+            self.values[..., self._idx : self._idx + run, :] = values[..., done : done + run, :]
             self._idx += run
             self.offset += run
             done += run
+
+    def _reserve(self, slots: int, like: mx.array) -> None:
+        """Grow the arrays to hold `slots` slots, by whole `step`s (at most
+        to the slab's size): a token at a time would copy them every step."""
+        stored = 0 if self.keys is None else self.keys.shape[2]
+        if slots <= stored:
+            return
+        grown = min(self.max_size, stored + -(-(slots - stored) // self.step) * self.step)
+        shape = (like.shape[0], like.shape[1], grown - stored, like.shape[3])
+        new_k, new_v = mx.zeros(shape, like.dtype), mx.zeros(shape, like.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def rewind(self, n: int) -> None:
+        """Take back the newest `n` tokens (a verify pass's rejected drafts,
+        or a stop inside its accepted run). Their slots stay as they are and
+        are overwritten next; none of them can be seen by a later query."""
+        if n > self.spare and self.offset > self.max_size:
+            raise ValueError(f"cannot take back {n} tokens: the slab has {self.spare} spare slots")
+        wrapped = self.offset > self._idx
+        self.offset -= n
+        self._idx -= n
+        if wrapped and self._idx <= self.keep:
+            self._idx += self.ring  # back across the wrap: the newest entry is at the ring's end
 
     def update_and_fetch(self, keys, values):
         if keys.shape[2] == 1:
@@ -99,15 +134,27 @@ class SlabCache(RotatingKVCache):
         return mx.array(self.visible(N, window_size))
 
     @property
+    def cached(self) -> int:
+        """History tokens the window still holds."""
+        return min(self.offset, self.keep + self.window)
+
+    @property
     def dropped(self) -> int:
         """History tokens the window has dropped so far."""
-        return max(0, self.offset - self.max_size)
+        return max(0, self.offset - self.keep - self.window)
 
 
-def make_slab(num_layers: int, sink: int, window: int) -> list[SlabCache]:
+def make_slab(num_layers: int, sink: int, window: int, spare: int = 0) -> list[SlabCache]:
     # make_prompt_cache(max_kv_size=...) returns unbounded caches for llama
     # (it defines make_cache), so the per-layer caches are built here.
-    return [SlabCache(sink + window, keep=sink) for _ in range(num_layers)]
+    return [SlabCache(sink, window, spare) for _ in range(num_layers)]
+
+
+def rewind(slab: list[SlabCache], n: int) -> None:
+    """Take the newest `n` tokens back out of every layer."""
+    if n:
+        for layer in slab:
+            layer.rewind(n)
 
 
 def live_bytes(slab: list[SlabCache]) -> int:

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from kvmux.store import atomic_file
 
-from .slab import SlabCache, make_slab
+from .slab import SlabCache
 
 
 def save(path: Path, slab: list[SlabCache], logits: mx.array | None) -> int:
@@ -31,23 +31,26 @@ def save(path: Path, slab: list[SlabCache], logits: mx.array | None) -> int:
         positions.append([layer.offset, layer._idx])
     if logits is not None:
         arrays["logits"] = logits
-    meta = {"positions": json.dumps(positions), "layers": str(len(slab))}
+    meta = {"positions": json.dumps(positions), "layers": str(len(slab)), "slots": str(slab[0].max_size)}
     with atomic_file(path) as tmp:
         mx.save_safetensors(str(tmp), arrays, meta)
     return path.stat().st_size
 
 
-def load(path: Path, sink: int, window: int, num_layers: int) -> tuple[list[SlabCache], mx.array | None]:
-    """The slab and logits saved at `path`; raises ValueError when the file
-    does not hold a snapshot of that shape."""
+def load(path: Path, slab: list[SlabCache]) -> tuple[list[SlabCache], mx.array | None]:
+    """`slab` (empty, as the session's settings make it) filled from the
+    snapshot at `path`, and the logits saved with it; raises ValueError when
+    the file does not hold a snapshot of that shape."""
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
         positions = json.loads(meta["positions"])
     except Exception as exc:  # mx.load raises RuntimeError/ValueError on a bad file
         raise ValueError(f"unreadable slab snapshot {path.name}: {exc}") from None
-    if len(positions) != num_layers:
-        raise ValueError(f"slab snapshot {path.name} has {len(positions)} layers, the model {num_layers}")
-    slab = make_slab(num_layers, sink, window)
+    if len(positions) != len(slab):
+        raise ValueError(f"slab snapshot {path.name} has {len(positions)} layers, the model {len(slab)}")
+    slots = int(meta.get("slots", slab[0].keep + slab[0].window))  # written before slabs had spare slots
+    if slots != slab[0].max_size:
+        raise ValueError(f"slab snapshot {path.name} has {slots} slots, this worker's slab {slab[0].max_size}")
     for i, (layer, (offset, idx)) in enumerate(zip(slab, positions, strict=True)):
         if f"{i}.keys" in arrays:
             layer.keys, layer.values = arrays[f"{i}.keys"], arrays[f"{i}.values"]

@@ -66,7 +66,8 @@ class Session(core.SessionCore):
 
     def generate(self, *, timeout: float | None = None, **options: Any) -> Stream:
         """Stream a generation. Options: max_tokens, temperature, top_p, top_k,
-        seed, stop, messages (appended first), credit (0 = no flow control)."""
+        seed, stop, speculative (auto | off | lookup | draft), messages
+        (appended first), credit (0 = no flow control)."""
         return Stream(self.client._run(self._start(self._generate_body(options), timeout)))
 
     def append(
@@ -133,7 +134,7 @@ class Client(core.ClientCore):
 
     def open_session(self, system: str | None = None, *, timeout: float | None = None, **options: Any) -> Session:
         """Open a session (takes a slab). Options: sink, window, sampling
-        defaults (max_tokens, temperature, top_p, top_k, seed, stop, or
+        defaults (max_tokens, temperature, top_p, top_k, seed, stop, speculative, or
         `sampling=`), admission, queue_wait_s, client_name."""
         return self._run(self._open(system, timeout, options))
 
@@ -228,7 +229,8 @@ class Client(core.ClientCore):
             rid = p.decode_envelope(parts[0]).request_id
             replies = self._calls.pop(rid)
             if replies is not None:
-                error = errors.Timeout("send queue full: is the broker running?", request_id=rid)
+                why = self._silence() or "is the broker reading?"  # e.g. a CURVE handshake that never completed
+                error = errors.Timeout(f"send queue full: {why}", request_id=rid)
                 replies.put(wire.Reply(p.Op.ERROR, rid, "", error))
 
     def _receive(self) -> None:

@@ -513,6 +513,7 @@ def ts_schema() -> str:
         f"export const Op = {json.dumps(ops, indent=2)} as const;\n\n"
         f"export const ERROR_CODES = {json.dumps([c.value for c in p.ErrorCode])} as const;\n\n"
         f"export const STOP_REASONS = {json.dumps([c.value for c in p.StopReason])} as const;\n\n"
+        f"export const SPECULATIVE_MODES = {json.dumps([c.value for c in p.SpeculativeMode])} as const;\n\n"
         f"export const SCHEMAS: Record<string, StructTable> = {body};\n\n"
         "// Message shapes with camelCase keys, as the client takes and returns them. Ints beyond\n"
         "// 2**53 travel as bigint.\n\n" + ts_interfaces()

@@ -69,7 +69,7 @@ export interface AppendOptions extends CallOptions {
   tokenIds?: number[];
 }
 
-const SAMPLING_KEYS = ["maxTokens", "temperature", "topP", "topK", "seed", "stop"] as const;
+const SAMPLING_KEYS = ["maxTokens", "temperature", "topP", "topK", "seed", "stop", "speculative"] as const;
 
 interface Frame {
   op: string;

@@ -34,6 +34,8 @@ export const ERROR_CODES = ["session_not_found", "session_expired", "session_cor
 
 export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled"] as const;
 
+export const SPECULATIVE_MODES = ["auto", "off", "lookup", "draft"] as const;
+
 export const SCHEMAS: Record<string, StructTable> = {
   "Envelope": {"tag": null, "array": true, "fields": [
     ["version", "int"],
@@ -61,6 +63,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["top_k", "int", null],
     ["seed", "int", null],
     ["stop", {"list": "str"}, null],
+    ["speculative", "str", null],
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
     ["credit", "int", 0],
   ]},
@@ -102,6 +105,8 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["free_slabs", "int"],
     ["running", "int"],
     ["draining", "bool", false],
+    ["drafted", "int", 0],
+    ["accepted", "int", 0],
   ]},
   "Disconnect": {"tag": null, "array": false, "fields": [
     ["reason", "str", ""],
@@ -122,6 +127,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["top_k", "int", null],
     ["seed", "int", null],
     ["stop", {"list": "str"}, null],
+    ["speculative", "str", null],
   ]},
   "WorkerStats": {"tag": null, "array": false, "fields": [
     ["worker_id", "str"],
@@ -135,6 +141,8 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["sessions", "int"],
     ["frames_forwarded", "int"],
     ["last_seen_s", "float"],
+    ["drafted", "int", 0],
+    ["accepted", "int", 0],
   ]},
   "SessionSummary": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
@@ -182,6 +190,8 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["decode_s", "float"],
     ["truncated_tokens", "int"],
     ["history_tokens", "int"],
+    ["drafted_tokens", "int", 0],
+    ["accepted_tokens", "int", 0],
   ]},
   "SessionInfo": {"tag": "info", "array": false, "fields": [
     ["session_id", "str"],
@@ -276,6 +286,7 @@ export interface Generate {
   topK?: number;
   seed?: number;
   stop?: string[];
+  speculative?: string;
   messages?: ChatMessage[];
   credit?: number;
 }
@@ -329,6 +340,8 @@ export interface WorkerHeartbeat {
   freeSlabs: number;
   running: number;
   draining?: boolean;
+  drafted?: number;
+  accepted?: number;
 }
 
 export interface Disconnect {
@@ -353,6 +366,7 @@ export interface Sampling {
   topK?: number;
   seed?: number;
   stop?: string[];
+  speculative?: string;
 }
 
 export interface WorkerStats {
@@ -367,6 +381,8 @@ export interface WorkerStats {
   sessions: number;
   framesForwarded: number;
   lastSeenS: number;
+  drafted?: number;
+  accepted?: number;
 }
 
 export interface SessionSummary {
@@ -425,6 +441,8 @@ export interface GenerateResult {
   decodeS: number;
   truncatedTokens: number;
   historyTokens: number;
+  draftedTokens?: number;
+  acceptedTokens?: number;
 }
 
 export interface SessionInfo {
