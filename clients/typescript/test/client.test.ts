@@ -56,6 +56,21 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
     await session.close();
   });
 
+  test("speculative decoding: lookup drafts give the tokens `off` gives", async () => {
+    const text = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.";
+    const replies = [];
+    for (const speculative of ["off", "lookup"]) {
+      const session = await client.openSession({ temperature: 0, maxTokens: 24, speculative });
+      const stream = session.chat(text);
+      const tokens = (await collect(stream)).flatMap((c) => c.tokenIds);
+      replies.push({ tokens, result: stream.result });
+      await session.close();
+    }
+    assert.deepEqual(replies[1].tokens, replies[0].tokens);
+    assert.equal(replies[0].result?.draftedTokens ?? 0, 0);
+    assert.ok((replies[1].result?.draftedTokens ?? 0) > 0);
+  });
+
   test("break cancels the generation, then the session continues", async () => {
     const session = await client.openSession();
     const stream = session.chat("Write a long story about a dragon.", { maxTokens: 16 });
