@@ -31,7 +31,7 @@ $(VENV)/.setup: pyproject.toml scripts/system-deps
 # loading (torch, from .setup).
 $(VENV)/.test-setup: $(VENV)/.setup
 	@scripts/system-deps --node
-	@$(PIP) install -e '.[worker,bench,test]'
+	@$(PIP) install -e '.[worker,bench,http,test]'
 	@touch $@
 
 $(TS)/node_modules/.setup: $(TS)/package.json $(TS)/package-lock.json

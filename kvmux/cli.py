@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "kvmux.broker.cli",  # serve, stats, drain
     "kvmux.worker.cli",  # worker
     "kvmux.chat",  # chat
+    "kvmux.http.cli",  # http
     "kvmux.doctor",  # doctor
     "kvmux.bench.cli",  # bench ...
     "kvmux.launchd",  # launchd install/uninstall

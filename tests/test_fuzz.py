@@ -22,10 +22,18 @@ def chat(endpoint: str) -> list[int]:
         return [t for c in session.chat("Name three colours.", max_tokens=12) for t in c.token_ids]
 
 
-def settled_rss(pid: int) -> int:
-    """The broker's RSS once quiet: the lowest of 8 samples over 2 s."""
-    time.sleep(1.5)  # its heap is trimmed at the first quiet poll
-    return min(rss_kb(pid) for _ in range(8) if time.sleep(0.25) is None)
+def settled_rss(pid: int, near: int | None = None) -> int:
+    """The broker's RSS once quiet: the lowest sample over 2 s or, given
+    `near`, over up to 10 s, done early once within 10 % of it (its heap is
+    trimmed at a quiet poll, which a loaded machine may reach late; a leak
+    stays whatever the wait)."""
+    time.sleep(1.5)
+    lowest = rss_kb(pid)
+    deadline = time.monotonic() + (8.5 if near else 0.5)
+    while (near is None or lowest / near - 1 >= 0.10) and time.monotonic() < deadline:
+        time.sleep(0.25)
+        lowest = min(lowest, rss_kb(pid))
+    return lowest
 
 
 def test_hostile_frames_at_both_sockets():
@@ -59,7 +67,7 @@ def test_hostile_frames_at_both_sockets():
             time.sleep(0.25)
         assert not stats.draining  # DRAIN was among the frames: forbidden to clients
         assert chat(stack.frontend) == before
-        settled = settled_rss(pid)
+        settled = settled_rss(pid, near=warm)
         assert settled / warm - 1 < 0.10, (settled, warm, report)
 
         for path in stack.dir.glob("*.log"):
