@@ -9,6 +9,9 @@ OpenBLAS preload), one after the other in one run.
   latency, the serving process's RSS, the reply.
 - concurrent: 4 such conversations at once for `concurrent_turns` turns;
   aggregate generated tokens/s.
+- gateway: the same long chat through `kvmux http` with the `openai`
+  client, the whole history every turn as an OpenAI client sends it (where
+  the openai package is installed).
 
 The report compares per-turn latency (kvmux below the peer at every turn is
 the goal), memory, aggregate tokens/s, and how many replies were equal (the
@@ -38,6 +41,10 @@ from .report import ReportWriter, percentile
 from .soak import message
 
 READY_TIMEOUT_S = 180.0
+# kvmux decodes a token per pass here, as the peer does: the comparison is
+# of what a turn costs to prefill and keep, and the gateway's run after the
+# client's would otherwise draft the client's identical replies.
+SPECULATIVE = "off"
 
 
 @dataclass
@@ -130,9 +137,58 @@ class Kvmux:
         self.max_tokens = max_tokens
 
     def turn(self, text: str) -> tuple[str, int]:
-        stream = self.session.chat(text, max_tokens=self.max_tokens, temperature=0.0)
+        stream = self.session.chat(text, max_tokens=self.max_tokens, temperature=0.0, speculative=SPECULATIVE)
         reply = "".join(chunk.text for chunk in stream)
         return reply, stream.result.completion_tokens
+
+
+class Gateway:
+    """A conversation through `kvmux http` with the `openai` client: the
+    whole history every turn; the gateway finds its session."""
+
+    def __init__(self, url: str, system: str, max_tokens: int):
+        import openai
+
+        self.api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0, timeout=600)
+        self.max_tokens = max_tokens
+        self.messages = [{"role": "system", "content": system}]
+
+    def turn(self, text: str) -> tuple[str, int]:
+        self.messages.append({"role": "user", "content": text})
+        completion = self.api.chat.completions.create(
+            model="kvmux",
+            messages=self.messages,
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            extra_body={"speculative": SPECULATIVE},
+        )
+        reply = completion.choices[0].message.content
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply, completion.usage.completion_tokens
+
+
+@contextlib.contextmanager
+def http_gateway(frontend: str) -> Iterator[str]:
+    """`kvmux http` on a free loopback port, in front of `frontend`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvmux.cli", "http", "--endpoint", frontend, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kvmux http did not start (exit {proc.poll()})") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        spawn.stop(proc, timeout_s=10)
 
 
 class Peer:
@@ -191,6 +247,30 @@ def concurrent(new: Callable[[], object], count: int, turns: int) -> dict:
     }
 
 
+def _has_openai() -> bool:
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gateway_summary(doc: dict, marks: list[int]) -> dict | None:
+    """Per-turn latency through the gateway, and its cost over the Python
+    client for the same turn (median of the per-turn differences)."""
+    if "kvmux_http" not in doc:
+        return None
+    g, k = doc["kvmux_http"]["conversation"], doc["kvmux"]["conversation"]
+    turns = min(len(g), len(k))
+    extra = sorted(g[i]["latency_s"] - k[i]["latency_s"] for i in range(turns))
+    return {
+        "latency_s": {t: g[t - 1]["latency_s"] for t in marks if t <= len(g)},
+        "latency_p50_s": percentile([r["latency_s"] for r in g], 50),
+        "overhead_vs_client_p50_s": round(extra[len(extra) // 2], 4),
+        "replies_equal_to_client": sum(g[i]["reply"] == k[i]["reply"] for i in range(turns)),
+    }
+
+
 def summarize(doc: dict) -> dict:
     k, p = doc["kvmux"]["conversation"], doc["mlx_lm_server"]["conversation"]
     turns = min(len(k), len(p))
@@ -201,7 +281,7 @@ def summarize(doc: dict) -> dict:
     def at(rows: list[dict], turn: int, key: str):
         return rows[turn - 1][key] if turn <= len(rows) else None
 
-    marks = [t for t in (2, 20, 60, 100, 200, 300, 400) if t <= turns]
+    marks = [t for t in (2, 10, 20, 60, 100, 200, 300, 400) if t <= turns]
     return {
         "turns": turns,
         "turns_kvmux_faster": below,
@@ -217,6 +297,7 @@ def summarize(doc: dict) -> dict:
             "kvmux": doc["kvmux"]["concurrent"]["tokens_per_s"],
             "mlx_lm_server": doc["mlx_lm_server"]["concurrent"]["tokens_per_s"],
         },
+        "kvmux_http": _gateway_summary(doc, marks),
     }
 
 
@@ -236,6 +317,15 @@ def run(cfg: PeersConfig, output: Path, model_dir: Path, progress: bool = True) 
         writer.write()
         doc["kvmux"]["concurrent"] = concurrent(new, cfg.concurrent, cfg.concurrent_turns)
         writer.write()
+        if _has_openai():
+            with http_gateway(daemon.frontend) as url:
+
+                def new_gateway():
+                    return Gateway(url, cfg.system, cfg.max_tokens)
+
+                rows = conversation(new_gateway, worker_pid, cfg.turns, "kvmux http", progress)
+                doc["kvmux_http"] = {"conversation": rows}
+            writer.write()
     with mlx_lm_server(export_mlx_dir(model_dir), cfg.max_tokens) as (url, pid):
 
         def new_peer():
@@ -256,7 +346,11 @@ def plot(doc: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (lat, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, label in (("kvmux", "kvmux (session)"), ("mlx_lm_server", "mlx_lm.server (prompt cache)")):
+    lines = [("kvmux", "kvmux (session)"), ("kvmux_http", "kvmux http (openai client, whole history)")]
+    lines += [("mlx_lm_server", "mlx_lm.server (prompt cache)")]
+    for name, label in lines:
+        if name not in doc:
+            continue
         rows = doc[name]["conversation"]
         turns = [r["turn"] for r in rows]
         lat.plot(turns, [r["latency_s"] for r in rows], label=label, linewidth=0.8)

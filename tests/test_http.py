@@ -152,6 +152,10 @@ def test_bad_requests_and_keys_get_openai_errors(gateway):
         api(base).chat.completions.create(model="kvmux", messages=[{"role": "user", "content": "hi"}], n=2)
     with pytest.raises(openai.BadRequestError):
         api(base).chat.completions.create(model="kvmux", messages=[{"role": "user", "content": "hi"}], max_tokens=10**9)
+    with pytest.raises(openai.BadRequestError, match="speculative"):  # a kvmux option, checked by the worker
+        api(base).chat.completions.create(
+            model="kvmux", messages=[{"role": "user", "content": "hi"}], extra_body={"speculative": "always"}
+        )
     with pytest.raises(openai.AuthenticationError):
         api(base, key="sk-wrong").chat.completions.create(model="kvmux", messages=[{"role": "user", "content": "hi"}])
 

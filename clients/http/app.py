@@ -127,6 +127,11 @@ def _parse(body: object) -> ChatRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop must be a string or a list of strings", "stop")
         options["stop"] = stop
+    speculative = body.get("speculative")  # a kvmux extension (the openai SDK's extra_body)
+    if speculative is not None:
+        if not isinstance(speculative, str):
+            raise bad("speculative must be one of auto, off, lookup, draft", "speculative")
+        options["speculative"] = speculative
     stream_options = body.get("stream_options") or {}
     return ChatRequest(
         messages=clean,
