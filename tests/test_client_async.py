@@ -39,7 +39,9 @@ def test_break_and_task_cancellation_cancel_the_generation(shared_stack):
     async def main():
         async with AsyncClient(shared_stack.frontend, timeout=60) as client:
             session = await client.open_session()
-            stream = session.chat("Write a long poem about rivers.", max_tokens=16)
+            # A token per pass (no speculative bursts), so the generation is still
+            # running when the cancel lands.
+            stream = session.chat("Write a long poem about rivers.", max_tokens=64, speculative="off")
             async for _ in stream:
                 break
             await stream.aclose()
@@ -48,7 +50,7 @@ def test_break_and_task_cancellation_cancel_the_generation(shared_stack):
             got = asyncio.Event()
 
             async def consume():
-                async for _ in session.chat("Another long poem, please.", max_tokens=16):
+                async for _ in session.chat("Another long poem, please.", max_tokens=64, speculative="off"):
                     got.set()
 
             task = asyncio.create_task(consume())
