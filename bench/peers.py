@@ -142,7 +142,7 @@ class Kvmux:
         return reply, stream.result.completion_tokens
 
 
-class Gateway:
+class HttpChat:
     """A conversation through `kvmux http` with the `openai` client: the
     whole history every turn; the gateway finds its session."""
 
@@ -321,7 +321,7 @@ def run(cfg: PeersConfig, output: Path, model_dir: Path, progress: bool = True) 
             with http_gateway(daemon.frontend) as url:
 
                 def new_gateway():
-                    return Gateway(url, cfg.system, cfg.max_tokens)
+                    return HttpChat(url, cfg.system, cfg.max_tokens)
 
                 rows = conversation(new_gateway, worker_pid, cfg.turns, "kvmux http", progress)
                 doc["kvmux_http"] = {"conversation": rows}

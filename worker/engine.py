@@ -313,7 +313,7 @@ class Engine:
         y = sample(session.logits, 0)
         while True:
             rng = np.random.default_rng([params.seed & 0xFFFFFFFF, emitted]) if sampling else None
-            proposal = self._propose(session, params, y, known, params.max_tokens - emitted - 1, rng)
+            proposal = self._propose(session, params, y, known, params.max_tokens - emitted - 1, sampling, rng)
             tokens = mx.concatenate([y, mx.array(proposal.tokens)]) if proposal else y
             logits, cancelled = yield Step(session, tokens, decode=True)
             if proposal:
@@ -367,7 +367,14 @@ class Engine:
             y = y_next
 
     def _propose(
-        self, session: Session, params: GenerationParams, y: mx.array, known: int | None, room: int, rng
+        self,
+        session: Session,
+        params: GenerationParams,
+        y: mx.array,
+        known: int | None,
+        room: int,
+        sampling: tuple | None,
+        rng,
     ) -> Proposal | None:
         """Drafts to verify after `y` (its value `known` when a verify pass
         chose it, else still being computed), at most `room` of them; None to
@@ -396,7 +403,6 @@ class Engine:
             if drafts:
                 return Proposal(drafts)
         if drafter:
-            sampling = (params.temperature, params.top_p, params.top_k) if params.temperature else None
             return drafter.propose(session.draft, session.history, last, k, sampling, rng)
         return None
 
