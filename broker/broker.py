@@ -109,6 +109,7 @@ class Broker(SessionLifecycle):
         self.cfg = cfg
         self.on_tick = on_tick  # watching local worker processes: False = give up
         self.exit_code = 0
+        self.heap = HeapTrimmer()  # first: its malloc setting is in place before libzmq's threads allocate
         self.ctx = zmq.Context.instance()
         self.auth = auth.Auth(cfg.curve_secret, cfg.client_keys, cfg.worker_keys, cfg.admin_keys) if cfg.curve else None
         if self.auth is not None:
@@ -135,7 +136,6 @@ class Broker(SessionLifecycle):
         self._drain_request: float | None = None  # set from a signal handler
         self._own_ids = itertools.count(1)
         self._next_heartbeat = self._next_sweep = 0.0
-        self.heap = HeapTrimmer()
         self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
         self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
         self.store = Store(cfg.state_dir)
