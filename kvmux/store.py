@@ -24,6 +24,7 @@ import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -55,7 +56,8 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     system: str | None = None
     sampling: Sampling | None = None
     messages: list[ChatMessage] = []
-    rendered: str = ""  # template text already turned into history tokens
+    rendered: str = ""  # the conversation's text fed so far (template pieces, replies as generated)
+    chat_template_kwargs: dict[str, Any] = {}
     history: list[int] = []  # every token fed into the slab, those the window dropped too
     pending: list[int] = []  # appended, not fed yet
     raw: bool = False  # the last append was raw token ids

@@ -8,6 +8,8 @@ omitted on the wire.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from .errors import ErrorCode, StopReason
@@ -40,6 +42,9 @@ class Sampling(_Body):
 
 class OpenSession(_Body):
     system: str | None = None
+    # Template variables for the model's chat template, on every rendering
+    # of this session (vLLM's chat_template_kwargs: {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
     sink: int | None = None
     window: int | None = None
     sampling: Sampling | None = None

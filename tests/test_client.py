@@ -163,6 +163,8 @@ def test_server_errors_map_to_classes(client, shared_stack):
     try:
         with pytest.raises(InvalidArgument):
             client.open_session(window=10**9)
+        with pytest.raises(InvalidArgument, match="tokenize"):
+            client.open_session(chat_template_kwargs={"tokenize": True})  # apply_chat_template's own option
         with pytest.raises(InvalidArgument):
             session.append()  # neither messages nor token ids
         stream = session.chat("Describe a forest in detail.", max_tokens=16)

@@ -15,6 +15,7 @@ from kvmux.client import (
     AsyncSession,
     AsyncStream,
     Client,
+    InvalidArgument,
     KvmuxError,
     Session,
     SessionNotFound,
@@ -159,5 +160,20 @@ def test_closed_sessions_and_clients_refuse_at_the_same_calls(nobody):
         await client.close()
         with pytest.raises(KvmuxError, match="client is closed"):
             AsyncSession(client, OPENED).generate()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kwargs", [["enable_thinking"], "enable_thinking=false", {1: True}])
+def test_chat_template_kwargs_that_are_no_dict_are_refused_before_sending(nobody, kwargs):
+    with Client(nobody, timeout=0.2) as client:
+        with pytest.raises(InvalidArgument):
+            client.open_session(chat_template_kwargs=kwargs)
+        assert not client._calls._queues  # nothing was sent
+
+    async def main():
+        async with AsyncClient(nobody, timeout=0.2) as client:
+            with pytest.raises(InvalidArgument):
+                await client.open_session(chat_template_kwargs=kwargs)
 
     asyncio.run(main())

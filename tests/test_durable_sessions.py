@@ -12,10 +12,13 @@ import sys
 import textwrap
 import time
 
+import msgspec
 import pytest
 from conftest import Daemon, broker_stats
 
 from kvmux.client import Client, Overloaded, SessionCorrupt, SessionNotFound
+from kvmux.protocol import ChatMessage
+from kvmux.store import RECORD, SessionRecord, Store
 
 TOKENS = 6
 PROMPTS = [f"Name {word} in one word." for word in ("a fruit", "a colour", "a planet", "a tree", "a river", "a bird")]
@@ -185,6 +188,30 @@ def test_corrupt_records_are_typed_errors(tmp_path):
         assert len(reply(good, "Thanks!")) > 0
         assert daemon.alive()
         assert len(client.stats().workers) == 1
+
+
+def test_a_record_from_before_chat_template_kwargs_loads_with_none(tmp_path):
+    """Records written before sessions had template options hold no
+    `chat_template_kwargs`: they load, and render with none, as they did."""
+    store, sid = Store(tmp_path), "a" * 32
+    record = SessionRecord(
+        session_id=sid,
+        model="m",
+        owner="",
+        created=0.0,
+        updated=0.0,
+        sink=4,
+        window=64,
+        messages=[ChatMessage("system", "Be brief."), ChatMessage("user", "Hi!")],
+        rendered="<|im_start|>system...",
+    )
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(record))
+    del old["chat_template_kwargs"]
+    store.dir(sid).mkdir()
+    (store.dir(sid) / RECORD).write_bytes(msgspec.msgpack.encode(old))
+    loaded = store.load(sid)
+    assert loaded.chat_template_kwargs == {} and loaded.messages == record.messages
+    assert loaded.rendered == record.rendered
 
 
 def test_open_right_after_serve_starts_waits_for_the_worker(tmp_path):

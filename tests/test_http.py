@@ -122,6 +122,19 @@ def test_an_edited_earlier_message_forks_and_the_original_branch_is_untouched(ga
         assert kvmux.resume_session(original).info().messages == 6  # 3 turns, none of the fork's
 
 
+def test_other_chat_template_kwargs_are_another_conversation(gateway):
+    _, base = gateway
+    client = api(base)
+    thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    history = [{"role": "user", "content": "Name a fruit."}]
+    text, _, first = ask(client, history, extra_body=thinking)
+    history += [{"role": "assistant", "content": text}, {"role": "user", "content": "Another?"}]
+    _, usage, same = ask(client, history, extra_body=thinking)
+    assert same == first and usage.prompt_tokens_details.cached_tokens > 0
+    _, usage, other = ask(client, history)  # the same messages, without the options
+    assert other != first and usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_four_concurrent_conversations(gateway):
     _, base = gateway
     client = api(base)
@@ -155,6 +168,13 @@ def test_bad_requests_and_keys_get_openai_errors(gateway):
     with pytest.raises(openai.BadRequestError, match="speculative"):  # a kvmux option, checked by the worker
         api(base).chat.completions.create(
             model="kvmux", messages=[{"role": "user", "content": "hi"}], extra_body={"speculative": "always"}
+        )
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        api(base).chat.completions.create(model="kvmux", messages=hi, extra_body={"chat_template_kwargs": [1]})
+    with pytest.raises(openai.BadRequestError, match="tokenize"):  # reaches the worker, which refuses it
+        api(base).chat.completions.create(
+            model="kvmux", messages=hi, extra_body={"chat_template_kwargs": {"tokenize": True}}
         )
     with pytest.raises(openai.AuthenticationError):
         api(base, key="sk-wrong").chat.completions.create(model="kvmux", messages=[{"role": "user", "content": "hi"}])

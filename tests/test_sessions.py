@@ -1,5 +1,5 @@
 """Session semantics of the worker, through the real broker and client:
-session-bound prefill, canonical history, chunking, bounded memory,
+session-bound prefill, the history as fed, chunking, bounded memory,
 sampling, stop strings, streaming text, concurrency."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ import threading
 import time
 
 import pytest
+from chat_formats import FORMATS, Chat
 
 from kvmux.client import Client, InvalidArgument
 from kvmux.worker.speculative import MAX_DRAFT
+
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
@@ -19,38 +22,61 @@ def client(shared_stack):
         yield c
 
 
-def render_ids(tokenizer, messages, generation_prompt=False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def run(stream):
     chunks = list(stream)
     return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], stream.result
 
 
 def test_each_turn_prefills_only_its_new_message(client, hf_tokenizer):
-    """10 turns: each turn prefills exactly the tokens of a one-shot rendering
-    of the conversation that its slab does not hold yet (its message, and the
-    previous reply's closing tokens, left pending so that a reply never waits
-    for them), and the history stays equal to that rendering (the assistant
-    turns closed as the template closes them)."""
-    messages: list[dict] = []
-    cached = 0
+    """10 turns: each turn prefills exactly the template's pieces its slab
+    does not hold yet (the previous reply's closing, left pending so that a
+    reply never waits for it, its message and the generation prompt), and
+    the history is those pieces, tokenized as they were appended, and the
+    replies' ids as generated (docs/design.md, "A session")."""
     with client.open_session() as session:
+        chat = Chat(session, FORMATS["smollm2"], hf_tokenizer, SMOLLM_SYSTEM)  # the template's own system prompt
         for turn in range(10):
             user = "Answer yes or no: is water wet?" if turn == 0 else f"Turn {turn}: name one colour."
-            text, _ids, result = run(session.chat(user, max_tokens=16 if turn == 0 else 6))
-            messages.append({"role": "user", "content": user})
-            assert result.prompt_tokens == len(render_ids(hf_tokenizer, messages, generation_prompt=True)) - cached
-            messages.append({"role": "assistant", "content": text})
-            closed = render_ids(hf_tokenizer, messages)
-            assert result.history_tokens == len(closed)
+            chat.turn(user, max_tokens=16 if turn == 0 else 6)
             info = session.info()
-            assert 0 < len(closed) - info.cached_tokens <= 2  # the closing tokens wait for the next turn
-            cached = info.cached_tokens
-        assert session.info(token_ids=True).token_ids == closed
-    assert cached > 10 * 10  # the history grew well past any one turn's prefill
+            assert info.cached_tokens == len(chat.ids)  # the closing tokens wait for the next turn
+        assert session.info(token_ids=True).token_ids == chat.history
+        assert hf_tokenizer.decode(chat.history) == chat.history_text
+    assert len(chat.ids) > 10 * 10  # the history grew well past any one turn's prefill
+
+
+def test_a_reply_stays_the_ids_generated_where_its_text_tokenizes_otherwise(client, hf_tokenizer):
+    """A reply that ends in two "\\n" tokens: its text re-tokenizes as one
+    "\\n\\n", but the history keeps the ids the model generated, and the next
+    turn's pieces go in after them as the template puts them; so the history
+    is not the tokens of a one-shot rendering (docs/design.md, "A session")."""
+    system, question, thanks = "Be brief.", "Write Python code that prints hello.", "Thanks. And in C?"
+    with client.open_session(system=system) as probe:
+        ids = [t for chunk in probe.chat(question, max_tokens=24) for t in chunk.token_ids]
+    newline = hf_tokenizer.encode("\n", add_special_tokens=False)
+    ends = [i + 2 for i in range(len(ids) - 1) if ids[i : i + 2] == newline * 2]
+    assert ends, f"the greedy reply holds no two newline tokens: {hf_tokenizer.decode(ids)!r}"
+    generated = ids[: ends[0]]  # greedy: the same reply, cut right after its two newlines
+    assert hf_tokenizer.encode(hf_tokenizer.decode(generated), add_special_tokens=False) != generated
+    with client.open_session(system=system) as session:
+        fmt = FORMATS["smollm2"]
+        chat = Chat(session, fmt, hf_tokenizer, system)
+        reply = chat.turn(question, max_tokens=len(generated))
+        second = chat.turn(thanks, max_tokens=6)
+        history = session.info(token_ids=True).token_ids
+    assert history == chat.history  # checks every turn's pieces, after the reply's ids too
+    at = len(chat.encode(fmt.turn(0, system, question) + fmt.prompt))
+    assert history[at : at + len(generated)] == generated
+    conversation = [
+        ("system", system),
+        ("user", question),
+        ("assistant", reply),
+        ("user", thanks),
+        ("assistant", second),
+    ]
+    one_shot = hf_tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in conversation], tokenize=False)
+    assert hf_tokenizer.decode(history) == one_shot
+    assert history != hf_tokenizer.encode(one_shot, add_special_tokens=False)
 
 
 def test_same_history_in_one_call_or_token_by_token(client, hf_tokenizer):

@@ -33,7 +33,7 @@ def logit_margin(history: list[int], window: int, sink: int, a: int, b: int) -> 
     from kvmux.worker.slab import make_slab
 
     model = load().model
-    slab = make_slab(len(model.layers), sink, window, 16)
+    slab = make_slab([None] * len(model.layers), sink, window, 16)
     floors = calibrate(model, 64)
     for at in range(0, len(history), 128):
         logits = forward(model, [Segment(mx.array(history[at : at + 128]), slab)], floors)[0]

@@ -41,7 +41,7 @@ def test_verify_rows_equal_one_token_steps_bit_for_bit(model, sink, window, draf
     rng = np.random.default_rng(window)
     prompt = rng.integers(100, 5000, 60).tolist()
     following = rng.integers(100, 5000, 48).tolist()
-    stepped, verified, other = (make_slab(layers, sink, window, 16) for _ in range(3))
+    stepped, verified, other = (make_slab([None] * layers, sink, window, 16) for _ in range(3))
     for slab in (stepped, verified):
         run(model, floors, slab, prompt, rows=False)
     run(model, floors, other, prompt[:20], rows=False)
@@ -86,7 +86,7 @@ def test_speculative_sampling_draws_from_plain_samplings_distribution(model):
     model, floors = model
     tokenizer = load().tokenizer
     context = tokenizer.encode("My favourite animal in the whole world is the", add_special_tokens=False)
-    slab = make_slab(len(model.layers), 4, 256, 16)
+    slab = make_slab([None] * len(model.layers), 4, 256, 16)
     run(model, floors, slab, context[:-1], rows=False)
     logits = run(model, floors, slab, [*context[-1:], 0], rows=True)  # the last token, and a draft slot
     p = distributions(logits, 1.0, 1.0, 0)

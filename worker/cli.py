@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 
 from kvmux import paths
@@ -76,7 +79,16 @@ def worker(
         draft_model=draft_model,
         draft_quantized=draft_quantized,
     )
-    raise typer.Exit(Worker(config).run())
+    code = Worker(config).run()
+    if code:
+        # Refused (2) or failed (1) at load, with torch and MLX just loaded:
+        # their C++ teardown at exit then aborts now and then (SIGABRT, not
+        # the exit code the supervisor reads: kvmux serve restarts a 1 and
+        # gives up on a 2). Nothing is left to flush but the logs.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,46 +1,111 @@
 """A session's chat, rendered with the model's own chat template.
 
-The cache must hold exactly the tokens a one-shot rendering of the whole
-conversation would give, so every append renders the full conversation and
-tokenizes only the text the new messages added; after a generation the
-assistant turn is closed the way the template renders it.
+The session's tokens are the truth: what was fed stays as it was fed, and a
+reply stays the ids the model generated. So a template is never trusted to
+render earlier turns the same way twice (Qwen3 strips an earlier reply's
+thinking, Llama 3.x stamps dates, Mistral moves the system prompt to the
+latest user turn): only the first piece renders the conversation for real,
+and every later piece is the text the template puts after the conversation
+so far. It is found by rendering the conversation with its last message's
+content swapped for a sentinel, with and without what is added: the piece
+is what follows the sentinel in the one, past what follows it in the other
+(the last turn's closing, fed already).
 """
 
 from __future__ import annotations
 
-from kvmux import logs
+import secrets
+from inspect import signature
+
+from transformers import PreTrainedTokenizerBase
+
 from kvmux.protocol import ErrorCode, ProtocolError
 
-log = logs.get("worker.conversation")
+ROLES = ("system", "user", "assistant", "tool")
+
+# apply_chat_template's own options, and the variable it sets itself: not
+# template variables a session may set.
+RESERVED_KWARGS = {"messages", *signature(PreTrainedTokenizerBase.apply_chat_template).parameters} - {"self", "kwargs"}
+
+
+def _refused(problem: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.INVALID_ARGUMENT, f"the model's chat template {problem}")
 
 
 class Conversation:
-    def __init__(self, tokenizer, system: str | None):
+    def __init__(self, tokenizer, messages=(), rendered: str = "", kwargs: dict | None = None):
         self._tokenizer = tokenizer
-        self.messages: list[dict] = [{"role": "system", "content": system}] if system is not None else []
-        self.rendered = ""  # template text already turned into history tokens
+        self.messages: list[dict] = list(messages)
+        self.rendered = rendered  # the text fed so far: template pieces and the replies as generated
+        self.kwargs: dict = dict(kwargs or {})  # the session's chat_template_kwargs
+        self._closing = ""  # what closes the reply the last generation prompt opened
+
+    @classmethod
+    def open(cls, tokenizer, system: str | None, kwargs: dict | None) -> Conversation:
+        """A new session's conversation, its system prompt and template
+        options tried on the template now rather than at the first append."""
+        reserved = sorted(RESERVED_KWARGS.intersection(kwargs or ()))
+        if reserved:
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"chat_template_kwargs holds template variables; {', '.join(reserved)} may not be set there",
+            )
+        conv = cls(tokenizer, [{"role": "system", "content": system}] if system is not None else [], kwargs=kwargs)
+        if system is not None or kwargs:
+            conv._render([*conv.messages, {"role": "user", "content": "Hello."}], generation_prompt=True)
+        return conv
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        if not messages:
-            return ""
-        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def _suffix(self, full: str) -> str:
-        if not full.startswith(self.rendered):
-            raise ProtocolError(
-                ErrorCode.INVALID_ARGUMENT, "the model's chat template re-renders earlier turns; use raw token appends"
+        try:
+            return self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
             )
-        return full[len(self.rendered) :]
+        except Exception as exc:  # raise_exception() in the template, or its errors on these messages or options
+            raise _refused(f"refuses this conversation: {exc}") from None
+
+    def _after_content(self, messages: list[dict], at: int, generation_prompt: bool = False) -> str:
+        """What the template renders after the content of `messages[at]`,
+        found through a sentinel in its place (random: no message holds it)."""
+        mark = f"kvmux-{secrets.token_hex(8)}"
+        text = self._render([*messages[:at], {**messages[at], "content": mark}, *messages[at + 1 :]], generation_prompt)
+        if text.count(mark) != 1:
+            raise _refused("does not render a message's content verbatim; use raw token appends")
+        return text[text.index(mark) + len(mark) :]
+
+    def _after(self, new: list[dict], generation_prompt: bool) -> str:
+        """What the template renders after the conversation so far (its
+        last turn's closing, fed already) for `new` and the generation prompt."""
+        last = len(self.messages) - 1
+        closing = self._after_content(self.messages, last)
+        tail = self._after_content(self.messages + new, last, generation_prompt)
+        if not tail.startswith(closing):
+            raise _refused("closes a turn differently once more follows; use raw token appends")
+        return tail[len(closing) :]
+
+    def _piece(self, new: list[dict], generation_prompt: bool = False) -> str:
+        """The text to feed for `new` (and the generation prompt): the first
+        piece renders the conversation for real, so a template that folds
+        the system prompt into the first turn does so."""
+        if self.rendered:
+            text, checked = self._after(new, generation_prompt), new
+        else:
+            text = self._render(self.messages + new, generation_prompt)
+            checked = self.messages + new
+        for m in checked:
+            if m["role"] == "system" and m["content"].strip() not in text:
+                raise _refused(
+                    "drops this system message here (it may render it only beside a user message): append one with it"
+                )
+        return text
 
     def extend(self, messages: list[dict]) -> str:
-        """Add messages; return the template text they add."""
+        """Add messages; return the text they add."""
         for msg in messages:
-            if msg["role"] not in ("system", "user", "assistant", "tool"):
+            if msg["role"] not in ROLES:
                 raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"unknown chat role {msg['role']!r}")
-        full = self._render(self.messages + messages)
-        text = self._suffix(full)
+        text = self._piece(messages)
         self.messages.extend(messages)
-        self.rendered = full
+        self.rendered += text
         return text
 
     def mark(self) -> tuple[int, str]:
@@ -52,24 +117,22 @@ class Conversation:
         self.rendered = mark[1]
 
     def generation_prompt(self) -> str:
-        full = self._render(self.messages, generation_prompt=True)
-        text = self._suffix(full)
-        self.rendered = full
+        """The text that opens the assistant's turn. What will close it is
+        found now too, so a template that cannot close one fails before
+        the reply is generated, not after."""
+        text = self._piece([], generation_prompt=True)
+        self._closing = self._after_content([*self.messages, {"role": "assistant", "content": ""}], len(self.messages))
+        self.rendered += text
         return text
 
-    def close_turn(self, content: str, generated_text: str) -> str:
-        """Record the assistant's reply; return the text that closes its turn
-        (what the template adds after the generated tokens, e.g. `<|im_end|>\\n`)."""
-        in_slab = self.rendered + generated_text
-        self.messages.append({"role": "assistant", "content": content})
-        full = self._render(self.messages)
-        self.rendered = full
-        if full.startswith(in_slab):
-            return full[len(in_slab) :]
-        # The reply was cut inside a special token or the template rewrote
-        # it: fall back to what the template puts after the content, or to
-        # nothing when the content is not there verbatim (never the text
-        # before it, which the slab already holds).
-        log.warning("turn_close_mismatch", content_chars=len(content))
-        at = full.rfind(content) if content else -1
-        return full[at + len(content) :] if at >= 0 else ""
+    def close_turn(self, reply: str, generated: str, end: str) -> str:
+        """Record the assistant's `reply` (the text sent); return the text
+        that closes its turn: what the template puts after a reply's content
+        (e.g. `<|im_end|>\\n`), less the end-of-turn token the model
+        generated when the closing starts with it. `generated` is the text
+        of the generated ids; `end` that of the token that ended the turn,
+        or "" when something else stopped the reply."""
+        self.messages.append({"role": "assistant", "content": reply})
+        closing = self._closing[len(end) :] if end and self._closing.startswith(end) else self._closing
+        self.rendered += generated + closing
+        return closing

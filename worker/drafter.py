@@ -19,7 +19,7 @@ import numpy as np
 
 from . import forward
 from .model import LoadedModel
-from .slab import SlabCache, make_slab, rewind
+from .slab import SlabCache, rewind, widest
 from .speculative import MAX_DRAFT, Proposal, distributions
 
 CATCH_UP_CHUNK = 256
@@ -53,7 +53,7 @@ class Drafter:
         self.floors = forward.Floors()  # draft rows need not be row-invariant
 
     def new_cache(self, sink: int, window: int) -> DraftCache:
-        return DraftCache(make_slab(len(self.model.layers), sink, window, MAX_DRAFT))
+        return DraftCache(self.loaded.make_slab(sink, window, MAX_DRAFT))
 
     def _run(self, cache: DraftCache, tokens: list[int]) -> mx.array:
         """Logits after the last of `tokens`, run through the draft cache."""
@@ -69,9 +69,9 @@ class Drafter:
         """Draft `k` tokens after history + [last]. `sampling` (temperature,
         top_p, top_k) draws them from the draft's distributions (kept for the
         verifier's rejection test); None takes its argmax."""
-        if cache.synced == 0 and len(history) > cache.slab[0].max_size:
-            sink = cache.slab[0].keep
-            missing = history[:sink] + history[-cache.slab[0].window :]  # a restored session: what its slab holds
+        bound = widest(cache.slab)
+        if cache.synced == 0 and len(history) > bound.max_size:
+            missing = history[: bound.keep] + history[-bound.window :]  # a restored session: what its slab holds
         else:
             missing = history[cache.synced :]
         cache.synced = len(history)

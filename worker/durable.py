@@ -46,6 +46,7 @@ def record_of(session: Session, model_id: str) -> SessionRecord:
         sampling=session.defaults,
         messages=[ChatMessage(role=m["role"], content=m["content"]) for m in conv.messages],
         rendered=conv.rendered,
+        chat_template_kwargs=conv.kwargs,
         history=session.history,
         pending=session.pending,
         raw=session.raw,
@@ -91,10 +92,12 @@ def restore(store: Store, engine: Engine, session_id: str) -> tuple[Session, int
     if sum(record.replay) != len(tail) or not (0 <= record.snapshot_tokens <= len(record.history)):
         raise ProtocolError(ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: its replay does not add up")
     session = engine.new_session(session_id, record.sink, record.window, None, record.sampling)
-    conv = Conversation(engine.tokenizer, None)
-    conv.messages = [{"role": m.role, "content": m.content} for m in record.messages]
-    conv.rendered = record.rendered
-    session.conversation = conv
+    session.conversation = Conversation(
+        engine.tokenizer,
+        [{"role": m.role, "content": m.content} for m in record.messages],
+        record.rendered,
+        record.chat_template_kwargs,
+    )
     if record.snapshot is not None:
         try:
             session.slab, session.logits = snapshot.load(

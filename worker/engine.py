@@ -41,7 +41,7 @@ from .conversation import Conversation
 from .drafter import DraftCache, Drafter
 from .lookup import SEPARATOR, Lookup
 from .model import LoadedModel
-from .slab import SlabCache, live_bytes, make_slab, rewind
+from .slab import SlabCache, live_bytes, rewind, widest
 from .speculative import MAX_DRAFT, DraftLength, Proposal, accept_greedy, accept_sampled, distributions
 from .stops import StopMatcher
 
@@ -80,7 +80,11 @@ class Session:
 
     @property
     def dropped(self) -> int:
-        return self.slab[0].dropped
+        return widest(self.slab).dropped
+
+    @property
+    def cached(self) -> int:
+        return widest(self.slab).cached
 
     @property
     def kv_live_bytes(self) -> int:
@@ -171,16 +175,20 @@ class Engine:
 
     def slab_bytes(self, sink: int, window: int) -> int:
         """A session's KV memory when full: its slab, and its draft cache."""
-        slots = sink + window + self.spare
-        return slots * (
-            self.loaded.kv_bytes_per_token + (self.drafter.loaded.kv_bytes_per_token if self.drafter else 0)
-        )
+        draft = self.drafter.loaded.slab_bytes(sink, window, MAX_DRAFT) if self.drafter else 0
+        return self.loaded.slab_bytes(sink, window, self.spare) + draft
 
     def make_slab(self, sink: int, window: int) -> list[SlabCache]:
-        return make_slab(len(self.model.layers), sink, window, self.spare)
+        return self.loaded.make_slab(sink, window, self.spare)
 
     def new_session(
-        self, session_id: str, sink: int | None, window: int | None, system: str | None, defaults: Sampling | None
+        self,
+        session_id: str,
+        sink: int | None,
+        window: int | None,
+        system: str | None,
+        defaults: Sampling | None,
+        chat_template_kwargs: dict | None = None,
     ) -> Session:
         sink = self.max_sink if sink is None else sink
         window = self.max_window if window is None else window
@@ -195,7 +203,7 @@ class Engine:
             sink=sink,
             window=window,
             slab=self.make_slab(sink, window),
-            conversation=Conversation(self.tokenizer, system),
+            conversation=Conversation.open(self.tokenizer, system, chat_template_kwargs),
             defaults=defaults,
             draft=self.drafter.new_cache(sink, window) if self.drafter else None,
         )

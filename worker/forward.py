@@ -19,8 +19,13 @@ pads that projection's rows up to its floor (a lone session's plain decode
 step pays 5-10 % for it: docs/design.md). Greedy speculative decoding, batched decoding and a session alone
 then give the same tokens (docs/design.md, "Speculative decoding").
 
-Written against mlx-lm's llama module (the embedded model's); other
-architectures run through their own mlx-lm module, a session at a time.
+Written against mlx-lm's llama, qwen2, qwen3 and gemma3_text modules
+(`supported`): the same block with q/k norms where the model has them, and
+Gemma 3's four norms per layer, GELU and scaled embeddings. A model with
+sliding-window layers (Gemma 3) has two kinds of slab cache, the session's
+sink and window and the layer's own window: each kind gets its masks
+(worker/slab.py `make_slab`). Other architectures run through their own
+mlx-lm module, a session at a time.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from functools import partial
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.models import llama
+from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 
 from .attention import additive_mask, attend_all, row_masks
@@ -63,8 +68,17 @@ class Floors:
     head: int = 1
 
 
+_MODELS = (llama.Model, qwen2.Model, qwen3.Model, gemma3_text.Model)
+
+
 def supported(model: nn.Module) -> bool:
-    return type(model) is llama.Model and not any(layer.use_sliding for layer in model.model.layers)
+    if type(model) is llama.Model:  # llama's own sliding layers would need its layer_types here
+        return not any(layer.use_sliding for layer in model.model.layers)
+    return type(model) in _MODELS
+
+
+def _gemma(model: nn.Module) -> bool:
+    return type(model) is gemma3_text.Model
 
 
 def _padded(f: Callable[[mx.array], mx.array], x: mx.array, floor: int) -> mx.array:
@@ -93,7 +107,7 @@ def _floor(f: Callable[[mx.array], mx.array], width: int, counts: list[int]) -> 
     return floor
 
 
-def calibrate(model: llama.Model, most_rows: int) -> Floors:
+def calibrate(model: nn.Module, most_rows: int) -> Floors:
     """Floors for a pass of up to `most_rows` rows (~1 s of small matmuls at
     load). Every layer's projections have the first layer's shapes, and BLAS
     picks its kernel by shape: the first layer's stand for all."""
@@ -115,47 +129,75 @@ def _width(linear: nn.Module) -> int:
     return linear.weight.shape[1]
 
 
-def _head(model: llama.Model, h: mx.array) -> mx.array:
-    return model.model.embed_tokens.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
+def _head(model: nn.Module, h: mx.array) -> mx.array:
+    # A tied head has no lm_head (gemma3_text's sanitize pops it; it keeps
+    # no tie_word_embeddings in its args).
+    return model.lm_head(h) if "lm_head" in model else model.model.embed_tokens.as_linear(h)
 
 
-def forward(model: llama.Model, segments: list[Segment], floors: Floors) -> list[mx.array]:
+def _embed(model: nn.Module, tokens: mx.array) -> mx.array:
+    h = model.model.embed_tokens(tokens[None])
+    if _gemma(model):  # as gemma3_text scales them, through bfloat16
+        h = h * mx.array(model.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+    return h
+
+
+def _mlp(model: nn.Module, layer: nn.Module, h: mx.array, floors: Floors) -> mx.array:
+    """The residual stream after the layer's MLP, its projections padded one by one."""
+    mlp = layer.mlp
+    if _gemma(model):
+        x = layer.pre_feedforward_layernorm(h)
+        gated = nn.gelu_approx(_padded(mlp.gate_proj, x, floors.gate)) * _padded(mlp.up_proj, x, floors.up)
+        return gemma3_text.clip_residual(
+            h, layer.post_feedforward_layernorm(_padded(mlp.down_proj, gated, floors.down))
+        )
+    x = layer.post_attention_layernorm(h)
+    gated = swiglu(_padded(mlp.gate_proj, x, floors.gate), _padded(mlp.up_proj, x, floors.up))
+    return h + _padded(mlp.down_proj, gated, floors.down)
+
+
+def _plan(cache: SlabCache, segment: Segment, n: int):
+    return row_masks(cache, n) if segment.rows or n == 1 else additive_mask(cache, n)
+
+
+def forward(model: nn.Module, segments: list[Segment], floors: Floors) -> list[mx.array]:
     """Per segment, the logits (rows, vocab) after each of its tokens (decode
     rows) or after its last (a prefill chunk); lazy."""
     lengths = [s.tokens.shape[0] for s in segments]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     total = sum(lengths)
     tokens = mx.concatenate([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
-    h = model.model.embed_tokens(tokens[None])
+    h = _embed(model, tokens)
     offsets = [segment.slab[0].offset for segment in segments]  # every layer's, before this pass
     positions = mx.array([offset + i for offset, n in zip(offsets, lengths, strict=True) for i in range(n)])
-    # Masks depend on the slab's positions only: made once for every layer.
-    plans = [
-        row_masks(s.slab[0], n) if s.rows or n == 1 else additive_mask(s.slab[0], n)
-        for s, n in zip(segments, lengths, strict=True)
-    ]
+    # Masks depend on the slab's positions only: made once per kind of
+    # layer cache (its sink and window), before any layer writes.
+    plans: list[dict[tuple[int, int], object]] = [{} for _ in segments]
+    for s, n, kinds in zip(segments, lengths, plans, strict=True):
+        for cache in s.slab:
+            if (cache.keep, cache.max_size) not in kinds:
+                kinds[cache.keep, cache.max_size] = _plan(cache, s, n)
+    gemma = _gemma(model)
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = _padded(attn.q_proj, x, floors.q)
-        k = _padded(attn.k_proj, x, floors.k)
+        q = _padded(attn.q_proj, x, floors.q).reshape(total, attn.n_heads, 1, -1)
+        k = _padded(attn.k_proj, x, floors.k).reshape(total, attn.n_kv_heads, 1, -1)
         v = _padded(attn.v_proj, x, floors.v)
+        if hasattr(attn, "q_norm"):  # qwen3, gemma3: over each head's vector
+            q, k = attn.q_norm(q), attn.k_norm(k)
         # Queries scaled here, once for the pass (rope is linear), then
         # queries and keys of every token rotated in one rope call: MLX's
         # CPU rope costs ~0.13 ms a call whatever its size.
-        rows = mx.concatenate(
-            [(q * attn.scale).reshape(total, attn.n_heads, 1, -1), k.reshape(total, attn.n_kv_heads, 1, -1)], axis=1
-        )
-        rows = attn.rope(rows, offset=positions)
+        rows = attn.rope(mx.concatenate([q * attn.scale, k], axis=1), offset=positions)
         values = v.reshape(total, attn.n_kv_heads, 1, -1)
-        here = [
-            (start, n, s.slab[index], plan) for start, n, s, plan in zip(starts, lengths, segments, plans, strict=True)
-        ]
-        h = h + _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads), floors.o)
-        x = layer.post_attention_layernorm(h)
-        mlp = layer.mlp  # mlx-lm's llama MLP, its projections padded one by one
-        gated = swiglu(_padded(mlp.gate_proj, x, floors.gate), _padded(mlp.up_proj, x, floors.up))
-        h = h + _padded(mlp.down_proj, gated, floors.down)
+        here = []
+        for start, n, s, kinds in zip(starts, lengths, segments, plans, strict=True):
+            cache = s.slab[index]
+            here.append((start, n, cache, kinds[cache.keep, cache.max_size]))
+        out = _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads), floors.o)
+        h = gemma3_text.clip_residual(h, layer.post_attention_layernorm(out)) if gemma else h + out
+        h = _mlp(model, layer, h, floors)
     wanted = [
         i
         for start, n, s in zip(starts, lengths, segments, strict=True)

@@ -1,16 +1,20 @@
-"""Model loading: a llama-architecture GGUF file (the embedded default) or a
-local mlx-lm model directory, never a hub download.
+"""Model loading: a GGUF file (the embedded default; worker/gguf_file.py
+reads it, worker/architectures.py says which architectures load and how) or
+a local mlx-lm model directory, never a hub download.
 
 On a CPU-only MLX the weights are dequantized to float32: MLX's
 quantized CPU kernels are ~2x slower at decode and ~25x slower at prefill
 there, and its float16 CPU matmuls several times slower than float32. Where
-MLX has a GPU the quantized weights are kept.
+MLX has a GPU the quantized weights are kept (a GGUF encoding MLX has no
+kernel for is quantized again: worker/gguf_file.py).
+
+A model whose mlx-lm class bounds some layers to a sliding window (Gemma 3)
+gets those layers' window in its slabs (`windows`, worker/slab.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,31 +22,27 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux import logs
 from kvmux.paths import default_model_path
 
+from . import architectures, gguf_file
+from .slab import SlabCache, make_slab
+
 log = logs.get("worker.model")
 
-GGUF_GROUP_SIZE = 32
-
-# GGUF tensor names -> mlx-lm llama parameter names (the inverse of
-# mlx_lm.gguf.translate_weight_names, for the dense llama layout).
-_GGUF_NAMES = [
-    (r"^token_embd\.", "model.embed_tokens."),
-    (r"^output_norm\.", "model.norm."),
-    (r"^output\.", "lm_head."),
-    (r"^blk\.(\d+)\.attn_q\.", r"model.layers.\1.self_attn.q_proj."),
-    (r"^blk\.(\d+)\.attn_k\.", r"model.layers.\1.self_attn.k_proj."),
-    (r"^blk\.(\d+)\.attn_v\.", r"model.layers.\1.self_attn.v_proj."),
-    (r"^blk\.(\d+)\.attn_output\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^blk\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
-    (r"^blk\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
-    (r"^blk\.(\d+)\.ffn_gate\.", r"model.layers.\1.mlp.gate_proj."),
-    (r"^blk\.(\d+)\.ffn_down\.", r"model.layers.\1.mlp.down_proj."),
-    (r"^blk\.(\d+)\.ffn_up\.", r"model.layers.\1.mlp.up_proj."),
-]
+END_OF_GENERATION = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "<EOT>",
+)
 
 
 @dataclass
@@ -51,28 +51,43 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     model_id: str  # what READY reports: the file or directory name
     quantized: bool  # weights kept quantized (GPU) or dequantized (CPU)
+    windows: list[int | None]  # per layer: the sliding window it attends within, or None (all it is given)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token adds to a session's cache, from the model config:
-        keys + values of every layer, in the weights' dtype."""
+        """Bytes one token adds to a session's cache while no layer's window
+        is full, from the model config: keys + values of every layer, in the
+        weights' dtype."""
         args = self.model.args
-        head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
         dtype = self.model.model.norm.weight.dtype
         return 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * dtype.size
 
+    def make_slab(self, sink: int, window: int, spare: int = 0) -> list[SlabCache]:
+        return make_slab(self.windows, sink, window, spare)
 
-def _rename(name: str) -> str:
-    for pattern, repl in _GGUF_NAMES:
-        new, n = re.subn(pattern, repl, name)
-        if n:
-            return new
-    raise ValueError(f"unsupported GGUF tensor {name!r}")
+    def slab_bytes(self, sink: int, window: int, spare: int = 0) -> int:
+        """A full slab's bytes: every layer's slots (a sliding layer's are
+        its own window's)."""
+        slots = sum(layer.max_size for layer in self.make_slab(sink, window, spare))
+        return slots * self.kv_bytes_per_token // len(self.windows)
 
 
-def _scalar(meta: dict, key: str):
-    value = meta[key]
-    return value.item() if isinstance(value, mx.array) else value
+def _windows(model: nn.Module) -> list[int | None]:
+    """Per layer, the window mlx-lm's own cache for the model bounds it to
+    (a RotatingKVCache; a KVCache keeps everything). A model whose layers
+    cache anything else (a recurrent state) has no place in a slab."""
+    if not hasattr(model, "make_cache"):
+        return [None] * len(model.layers)
+    windows = []
+    for cache in model.make_cache():
+        if type(cache) is RotatingKVCache:
+            windows.append(cache.max_size)
+        elif type(cache) is KVCache:
+            windows.append(None)
+        else:
+            raise ValueError(f"{type(model).__module__}: its layers keep a {type(cache).__name__}, not a KV cache")
+    return windows
 
 
 def _gguf_tokenizer(path: Path):
@@ -99,6 +114,15 @@ def _gguf_tokenizer(path: Path):
     return tokenizer
 
 
+def _turn_ends(tokenizer) -> list[int]:
+    """A GGUF names one end-of-sequence token, while chat models end a turn
+    with another (Gemma's <end_of_turn>, ChatML's <|im_end|>): generation
+    stops at any of the vocabulary's tokens llama.cpp takes for an end of
+    generation by their text (llama-vocab.cpp)."""
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in END_OF_GENERATION if t in vocab]
+
+
 def tokenizer_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvmux" / "tokenizers"
@@ -109,37 +133,20 @@ def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bi
     computes it). Unpacking with shifts and masks is 3x faster on CPU than
     `mx.dequantize`, which also rounds to the scales' float16 first."""
     if 32 % bits:
-        return mx.dequantize(weight, scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits).astype(mx.float32)
+        return mx.dequantize(weight, scales, biases, group_size=gguf_file.GROUP_SIZE, bits=bits).astype(mx.float32)
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
-    q = ((weight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*weight.shape[:-1], -1, GGUF_GROUP_SIZE)
+    q = ((weight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*weight.shape[:-1], -1, gguf_file.GROUP_SIZE)
     w = q.astype(mx.float32) * scales[..., None].astype(mx.float32) + biases[..., None].astype(mx.float32)
     return w.reshape(*weight.shape[:-1], -1)
 
 
 def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
-    from mlx_lm.models import llama
-
-    weights, meta = mx.load(str(path), return_metadata=True)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported (llama only)")
-    weights = {_rename(k): v for k, v in weights.items()}
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=_scalar(meta, "llama.embedding_length"),
-        num_hidden_layers=_scalar(meta, "llama.block_count"),
-        intermediate_size=_scalar(meta, "llama.feed_forward_length"),
-        num_attention_heads=_scalar(meta, "llama.attention.head_count"),
-        num_key_value_heads=_scalar(meta, "llama.attention.head_count_kv"),
-        rms_norm_eps=_scalar(meta, "llama.attention.layer_norm_rms_epsilon"),
-        vocab_size=weights["model.embed_tokens.weight"].shape[0],
-        rope_theta=_scalar(meta, "llama.rope.freq_base"),
-        # GGUF stores q/k in the interleaved (Meta) layout: traditional rope.
-        rope_traditional=True,
-        tie_word_embeddings="lm_head.weight" not in weights,
-        max_position_embeddings=_scalar(meta, "llama.context_length"),
-    )
-    model = llama.Model(args)
+    try:
+        header = gguf_file.read_header(path)
+        architectures.find(header.meta)  # refused before the weights are read
+        model, weights = architectures.build(header.meta, gguf_file.read_tensors(path, header, keep_quantized))
+    except ValueError as exc:  # refused: the worker exits 2
+        raise ValueError(f"{path.name}: {exc}") from None
     # Quantized tensors arrive as weight/scales/biases, bits varying per
     # tensor: packed uint32 columns per scale group give the bit width.
     bits = {
@@ -150,7 +157,7 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
     if bits and keep_quantized:
         nn.quantize(
             model,
-            class_predicate=lambda p, _m: {"group_size": GGUF_GROUP_SIZE, "bits": bits[p]} if p in bits else False,
+            class_predicate=lambda p, _m: {"group_size": gguf_file.GROUP_SIZE, "bits": bits[p]} if p in bits else False,
         )
     elif bits:
         for prefix, b in bits.items():
@@ -182,7 +189,8 @@ def load(path: str | Path | None = None, keep_quantized: bool | None = None) -> 
         keep_quantized = mx.default_device() == mx.gpu
     if path.suffix == ".gguf":
         model, quantized = _load_gguf(path, keep_quantized)
-        tokenizer = TokenizerWrapper(_gguf_tokenizer(path))
+        tokenizer = _gguf_tokenizer(path)
+        tokenizer = TokenizerWrapper(tokenizer, eos_token_ids=_turn_ends(tokenizer))
     else:
         from mlx_lm.utils import dequantize_model
         from mlx_lm.utils import load as mlx_lm_load
@@ -196,4 +204,6 @@ def load(path: str | Path | None = None, keep_quantized: bool | None = None) -> 
     model.eval()
     mx.eval(model.parameters())
     log.info("model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()))
-    return LoadedModel(model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=_windows(model)
+    )

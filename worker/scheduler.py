@@ -275,7 +275,9 @@ class Scheduler:
         if not self.pool.take():
             raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
         try:
-            session = self.engine.new_session(env.session_id, body.sink, body.window, body.system, body.sampling)
+            session = self.engine.new_session(
+                env.session_id, body.sink, body.window, body.system, body.sampling, body.chat_template_kwargs
+            )
         except BaseException:
             self.pool.give_back()
             raise
@@ -370,11 +372,18 @@ class Scheduler:
         params = self.engine.params(body, session.defaults)
         if body.credit < 0:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "credit must be >= 0")
-        if body.messages:
-            self.queue_messages(session, body.messages)
-        chat = not session.raw and bool(session.conversation.messages)
-        if chat:
-            session.pending.extend(self.engine.encode(session.conversation.generation_prompt()))
+        conversation, undo = session.conversation, (session.conversation.mark(), len(session.pending), session.raw)
+        try:
+            if body.messages:
+                self.queue_messages(session, body.messages)
+            chat = not session.raw and bool(conversation.messages)
+            if chat:
+                session.pending.extend(self.engine.encode(conversation.generation_prompt()))
+        except ProtocolError:  # a generate the template refuses appends nothing either
+            conversation.rollback(undo[0])
+            del session.pending[undo[1] :]
+            session.raw = undo[2]
+            raise
         if session.logits is None and not session.pending:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
 
@@ -384,23 +393,24 @@ class Scheduler:
             cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
             prefill_s = time.perf_counter() - started
             prompt_tokens = queued - len(session.pending)
-            decoding, completion, decode_s = Decoding(StopReason.CANCELLED, ""), 0, 0.0
+            decoding, decode_s = Decoding(StopReason.CANCELLED, ""), 0.0
+            before = len(session.history)
             if not (cancelled or job.cancelled):
-                started, before = time.perf_counter(), len(session.history)
+                started = time.perf_counter()
                 decoding = yield from self.engine.decode(session, params)
                 decode_s = time.perf_counter() - started
-                completion = len(session.history) - before
+            completion = len(session.history) - before
             reason, text = decoding.reason, decoding.text
             if chat and job.close_after is None:
-                # Close the assistant turn as the template renders it, so the
-                # next message continues a canonical history (pointless when
-                # a close waits). The closing tokens stay pending: the next
-                # append or generate prefills them with its own tokens, in the
-                # same pass, instead of this reply waiting a pass for them.
-                generated = text + (
-                    self.engine.tokenizer.decode(session.history[-1:]) if reason is StopReason.EOS else ""
-                )
-                session.pending.extend(self.engine.encode(session.conversation.close_turn(text, generated)))
+                # Close the assistant turn as the template closes one
+                # (pointless when a close waits); the reply stays the ids
+                # generated. The closing tokens stay pending: the next append
+                # or generate prefills them with its own tokens, in the same
+                # pass, instead of this reply waiting a pass for them.
+                decode = self.engine.tokenizer.decode
+                end = decode(session.history[-1:]) if reason is StopReason.EOS else ""
+                closing = conversation.close_turn(text, decode(session.history[before:]), end)
+                session.pending.extend(self.engine.encode(closing))
             self.complete(
                 job,
                 p.GenerateResult(
@@ -441,7 +451,7 @@ class Scheduler:
                 session_id=session.id,
                 worker_id=self.worker_id,
                 history_tokens=len(session.history) + len(session.pending),
-                cached_tokens=session.slab[0].cached,
+                cached_tokens=session.cached,
                 kv_live_bytes=session.kv_live_bytes,
                 slab_bytes=self.engine.slab_bytes(session.sink, session.window),
                 truncated_tokens=session.dropped,

@@ -144,10 +144,18 @@ class SlabCache(RotatingKVCache):
         return max(0, self.offset - self.keep - self.window)
 
 
-def make_slab(num_layers: int, sink: int, window: int, spare: int = 0) -> list[SlabCache]:
-    # make_prompt_cache(max_kv_size=...) returns unbounded caches for llama
-    # (it defines make_cache), so the per-layer caches are built here.
-    return [SlabCache(sink, window, spare) for _ in range(num_layers)]
+def make_slab(windows: list[int | None], sink: int, window: int, spare: int = 0) -> list[SlabCache]:
+    """A cache per layer: the session's sink and window; a layer the model
+    bounds to a sliding window of its own (`windows`: mlx-lm's make_cache
+    gives it a RotatingKVCache) keeps that window alone, within the
+    session's, and no sink: the model never attends past its window there."""
+    return [SlabCache(sink, window, spare) if w is None else SlabCache(0, min(w, window), spare) for w in windows]
+
+
+def widest(slab: list[SlabCache]) -> SlabCache:
+    """The layer holding the session's whole view (its sink and window): the
+    one that tells what the session holds and has dropped."""
+    return max(slab, key=lambda layer: layer.max_size)
 
 
 def rewind(slab: list[SlabCache], n: int) -> None:

@@ -84,6 +84,7 @@ class ChatRequest:
     options: dict
     include_usage: bool
     model: str
+    template_kwargs: dict | None = None  # chat_template_kwargs, for a session it opens
 
 
 def _parse(body: object) -> ChatRequest:
@@ -132,6 +133,9 @@ def _parse(body: object) -> ChatRequest:
         if not isinstance(speculative, str):
             raise bad("speculative must be one of auto, off, lookup, draft", "speculative")
         options["speculative"] = speculative
+    template_kwargs = body.get("chat_template_kwargs")  # vLLM's extension (the openai SDK's extra_body)
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
     stream_options = body.get("stream_options") or {}
     return ChatRequest(
         messages=clean,
@@ -139,6 +143,7 @@ def _parse(body: object) -> ChatRequest:
         options=options,
         include_usage=bool(stream_options.get("include_usage")) if isinstance(stream_options, dict) else False,
         model=str(body.get("model") or "kvmux"),
+        template_kwargs=template_kwargs,
     )
 
 
@@ -151,7 +156,7 @@ async def _session(gateway: Gateway, request: Request, chat: ChatRequest):
         session = await client.resume_session(pinned)
         last = max((i for i, m in enumerate(chat.messages) if m["role"] == "assistant"), default=-1)
         return session, Bound(session.id, 0), chat.messages[last + 1 :]
-    bound, held = gateway.bindings.claim(chat.messages)
+    bound, held = gateway.bindings.claim(chat.messages, chat.template_kwargs)
     if bound is not None:
         try:
             return await client.resume_session(bound.session_id), bound, chat.messages[held:]
@@ -164,7 +169,7 @@ async def _session(gateway: Gateway, request: Request, chat: ChatRequest):
                 raise
     messages = chat.messages
     system = messages[0]["content"] if messages[0]["role"] == "system" else None
-    session = await client.open_session(system, client_name="kvmux-http")
+    session = await client.open_session(system, client_name="kvmux-http", chat_template_kwargs=chat.template_kwargs)
     return session, Bound(session.id, 0), messages[1:] if system is not None else messages
 
 
@@ -233,7 +238,7 @@ def _rebind(gateway: Gateway, chat: ChatRequest, bound: Bound, text: str, result
     if str(result.stop_reason) == "cancelled":
         return  # a partial reply: no client will send it back as it is
     bound.held += result.prompt_tokens + result.completion_tokens
-    gateway.bindings.bind([*chat.messages, {"role": "assistant", "content": text}], bound)
+    gateway.bindings.bind([*chat.messages, {"role": "assistant", "content": text}], bound, chat.template_kwargs)
 
 
 async def _events(gateway, chat, session, bound, stream, first, completion_id, created) -> AsyncIterator[str]:

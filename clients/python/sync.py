@@ -135,7 +135,9 @@ class Client(core.ClientCore):
     def open_session(self, system: str | None = None, *, timeout: float | None = None, **options: Any) -> Session:
         """Open a session (takes a slab). Options: sink, window, sampling
         defaults (max_tokens, temperature, top_p, top_k, seed, stop, speculative, or
-        `sampling=`), admission, queue_wait_s, client_name."""
+        `sampling=`), chat_template_kwargs (variables for the model's chat
+        template, e.g. {"enable_thinking": False}), admission, queue_wait_s,
+        client_name."""
         return self._run(self._open(system, timeout, options))
 
     def resume_session(self, session_id: str, *, timeout: float | None = None) -> Session:

@@ -39,6 +39,9 @@ def chat_messages(messages: MessagesLike | None) -> list[p.ChatMessage]:
 def open_body(system: str | None, sampling: p.Sampling | dict | None = None, **options: Any) -> p.OpenSession:
     """OpenSession from keyword options; sampling fields (max_tokens,
     temperature, ...) may be given flat or as `sampling=`."""
+    kwargs = options.get("chat_template_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise errors.InvalidArgument("chat_template_kwargs must be a dict: template variable -> value")
     flat = {k: options.pop(k) for k in list(options) if k in p.Sampling.__struct_fields__}
     if isinstance(sampling, p.Sampling):
         sampling = {f: getattr(sampling, f) for f in p.Sampling.__struct_fields__}

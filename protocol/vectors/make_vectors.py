@@ -114,6 +114,18 @@ CASES: list[tuple[str, Any]] = [
     ),
     ("open_sampling_empty", p.OpenSession(sampling=p.Sampling())),
     (
+        "open_chat_template_kwargs",
+        p.OpenSession(
+            system="Be brief.",
+            chat_template_kwargs={
+                "enable_thinking": False,
+                "date_string": "26 Jul 2024",
+                "reasoning": {"effort": 2, "budget": 0.5, "tags": ["<think>", U], "none": None},
+                "BigInt": MAX_SAFE + 2,
+            },
+        ),
+    ),
+    (
         "append_messages",
         p.Append(
             messages=[p.ChatMessage("system", "Be brief."), p.ChatMessage("user", U), p.ChatMessage("assistant", "")]
@@ -461,6 +473,10 @@ def ts_type(t: mi.Type) -> Any:
         return {"list": ts_type(t.item_type)}
     if isinstance(t, mi.StructType):
         return {"struct": t.cls.__name__}
+    if isinstance(t, mi.DictType) and isinstance(t.key_type, mi.StrType):
+        return {"map": ts_type(t.value_type)}
+    if isinstance(t, mi.AnyType):
+        return "any"
     raise TypeError(f"no TypeScript mapping for {t}")
 
 
@@ -469,8 +485,10 @@ TS_NAMES = {"Error": "ErrorReply"}  # not to shadow JavaScript's Error
 
 def ts_decl(t: Any) -> str:
     if isinstance(t, dict):
+        if "map" in t:
+            return f"Record<string, {ts_decl(t['map'])}>"
         return f"{ts_decl(t['list'])}[]" if "list" in t else TS_NAMES.get(t["struct"], t["struct"])
-    return {"int": "number", "float": "number", "str": "string", "bool": "boolean"}[t]
+    return {"int": "number", "float": "number", "str": "string", "bool": "boolean", "any": "unknown"}[t]
 
 
 def ts_interfaces() -> str:

@@ -8,7 +8,7 @@
 import { curveKeyPair, Dealer } from "zeromq";
 
 import { decode, decodeEnvelope, encodeStruct, envelope, REPLY_TAGS } from "./codec.js";
-import { fromReply, Internal, KvmuxError, MalformedFrame, SessionNotFound, Timeout } from "./errors.js";
+import { fromReply, Internal, InvalidArgument, KvmuxError, MalformedFrame, SessionNotFound, Timeout } from "./errors.js";
 import { clientKeys } from "./keys.js";
 import { defaultFrontend } from "./paths.js";
 import { Queue } from "./queue.js";
@@ -116,9 +116,15 @@ export class Client {
   }
 
   async openSession(options: OpenOptions = {}): Promise<Session> {
-    const { system, sink, window, admission, queueWaitS, clientName } = options;
+    const { system, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName } = options;
+    if (chatTemplateKwargs !== undefined && (chatTemplateKwargs === null || typeof chatTemplateKwargs !== "object" || Array.isArray(chatTemplateKwargs))) {
+      throw new InvalidArgument("chatTemplateKwargs must be an object: template variable -> value");
+    }
     const sampling = { ...options.sampling, ...pickSampling(options) };
-    const body = { system, sink, window, admission, queueWaitS, clientName, sampling: Object.keys(sampling).length ? sampling : undefined };
+    const body = {
+      system, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName,
+      sampling: Object.keys(sampling).length ? sampling : undefined,
+    };
     // A queued open may legitimately wait queueWaitS before its answer.
     const timeoutMs = (options.timeoutMs ?? this.timeoutMs) + (queueWaitS ?? 0) * 1000;
     const opened = await this.call<SessionOpened>(Op.OPEN, "", "OpenSession", body, timeoutMs);

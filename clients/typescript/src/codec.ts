@@ -7,13 +7,14 @@
  * declaration order, and a field equal to its default omitted, as msgspec's
  * omit_defaults does. Scalars go through @msgpack/msgpack; only map and array
  * headers are written here. Wire names are snake_case; the objects this
- * module takes and returns use camelCase keys.
+ * module takes and returns use camelCase keys (a map field's keys are data,
+ * as given).
  */
 
 import { Decoder, Encoder } from "@msgpack/msgpack";
 import { PROTOCOL_VERSION, SCHEMAS } from "./schema.js";
 
-export type FieldType = "int" | "float" | "str" | "bool" | { list: FieldType } | { struct: string };
+export type FieldType = "int" | "float" | "str" | "bool" | "any" | { list: FieldType } | { map: FieldType } | { struct: string };
 /** [wire name, type] for a required field, [wire name, type, default] otherwise. */
 export type Field = [string, FieldType] | [string, FieldType, unknown];
 export interface StructTable {
@@ -63,7 +64,25 @@ function encodeInt(value: unknown): Uint8Array {
   return plain.encode(value);
 }
 
+/** A free-form value (a template variable): a non-integral number as
+ * float64, an integral one as an int (JS cannot say 1.0), object keys as
+ * given. */
+function encodeAny(value: unknown): Uint8Array {
+  if (typeof value === "number" && !Number.isInteger(value)) return float.encode(value);
+  if (typeof value === "number" || typeof value === "bigint") return encodeInt(value);
+  if (value === null || typeof value === "string" || typeof value === "boolean") return plain.encode(value);
+  if (Array.isArray(value)) return concat([arrayHeader(value.length), ...value.map(encodeAny)]);
+  if (typeof value === "object" && !(value instanceof Uint8Array)) return encodeMap("any", value as Record<string, unknown>);
+  throw new TypeError(`cannot encode ${String(value)}`);
+}
+
+function encodeMap(type: FieldType, value: Record<string, unknown>): Uint8Array {
+  const entries = Object.entries(value);
+  return concat([mapHeader(entries.length, entries.length), ...entries.flatMap(([k, v]) => [plain.encode(k), encodeValue(type, v)])]);
+}
+
 function encodeValue(type: FieldType, value: unknown): Uint8Array {
+  if (type === "any") return encodeAny(value);
   if (type === "int") return encodeInt(value);
   if (type === "float") {
     if (typeof value !== "number") throw new TypeError(`expected a number, got ${String(value)}`);
@@ -80,6 +99,10 @@ function encodeValue(type: FieldType, value: unknown): Uint8Array {
   if ("list" in type) {
     if (!Array.isArray(value)) throw new TypeError(`expected an array, got ${String(value)}`);
     return concat([arrayHeader(value.length), ...value.map((v) => encodeValue(type.list, v))]);
+  }
+  if ("map" in type) {
+    if (value === null || typeof value !== "object" || Array.isArray(value)) throw new TypeError(`expected an object, got ${String(value)}`);
+    return encodeMap(type.map, value as Record<string, unknown>);
   }
   return encodeStruct(type.struct, value as Record<string, unknown>);
 }
@@ -120,15 +143,23 @@ export function encodeStruct(name: string, obj: Record<string, unknown> | unknow
   return concat([mapHeader(count, table.fields.length + (table.tag === null ? 0 : 1)), ...parts]);
 }
 
+/** Wire names of the fields that hold maps: their keys are data (template
+ * variables), never camelCased. */
+export const MAP_FIELDS: ReadonlySet<string> = new Set(
+  Object.values(SCHEMAS).flatMap((t) => t.fields.filter((f) => typeof f[1] === "object" && "map" in f[1]).map((f) => f[0])),
+);
+
 /** Ints msgpack carried as 64-bit come back as bigint: numbers where exact. */
-function normalize(value: unknown): unknown {
+function normalize(value: unknown, verbatim = false): unknown {
   if (typeof value === "bigint") {
     const n = Number(value);
     return Number.isSafeInteger(n) ? n : value;
   }
-  if (Array.isArray(value)) return value.map(normalize);
+  if (Array.isArray(value)) return value.map((v) => normalize(v, verbatim));
   if (value !== null && typeof value === "object" && !(value instanceof Uint8Array)) {
-    return Object.fromEntries(Object.entries(value).map(([k, v]) => [camel(k), normalize(v)]));
+    return Object.fromEntries(
+      Object.entries(value).map(([k, v]) => [verbatim ? k : camel(k), normalize(v, verbatim || MAP_FIELDS.has(k))]),
+    );
   }
   return value;
 }

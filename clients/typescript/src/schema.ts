@@ -45,6 +45,7 @@ export const SCHEMAS: Record<string, StructTable> = {
   ]},
   "OpenSession": {"tag": null, "array": false, "fields": [
     ["system", "str", null],
+    ["chat_template_kwargs", {"map": "any"}, null],
     ["sink", "int", null],
     ["window", "int", null],
     ["sampling", {"struct": "Sampling"}, null],
@@ -266,6 +267,7 @@ export const SCHEMAS: Record<string, StructTable> = {
 
 export interface OpenSession {
   system?: string;
+  chatTemplateKwargs?: Record<string, unknown>;
   sink?: number;
   window?: number;
   sampling?: Sampling;

@@ -41,7 +41,7 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
   });
 
   test("multi-turn chat", async () => {
-    const session = await client.openSession({ system: "You are terse.", maxTokens: 6 });
+    const session = await client.openSession({ system: "You are terse.", maxTokens: 6, chatTemplateKwargs: { enable_thinking: false } });
     const first = session.chat("Name a colour.");
     const chunks = await collect(first);
     assert.ok(chunks.length > 0 && first.result);
@@ -121,6 +121,8 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
 
   test("server conditions raise their error classes", async () => {
     await assert.rejects(client.openSession({ sink: -1 }), InvalidArgument);
+    await assert.rejects(client.openSession({ chatTemplateKwargs: { tokenize: true } }), /tokenize/); // apply_chat_template's own option
+    await assert.rejects(client.openSession({ chatTemplateKwargs: ["no"] as unknown as Record<string, unknown> }), InvalidArgument);
     const session = await client.openSession();
     await assert.rejects(session.append({}), InvalidArgument);
     const stream = session.chat("Describe a forest.", { maxTokens: 16 });

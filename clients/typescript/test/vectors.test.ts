@@ -7,7 +7,7 @@ import { dirname, join } from "node:path";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 
-import { camel, decode, encodeStruct, ERROR_CODES, ERRORS, SCHEMAS } from "../src/index.js";
+import { camel, decode, encodeStruct, ERROR_CODES, ERRORS, MAP_FIELDS, SCHEMAS } from "../src/index.js";
 
 const here = dirname(fileURLToPath(import.meta.url));
 const VECTORS = process.env.KVMUX_VECTORS ?? join(here, "..", "..", "..", "..", "protocol", "vectors");
@@ -15,13 +15,16 @@ const VECTORS = process.env.KVMUX_VECTORS ?? join(here, "..", "..", "..", "..", 
 interface Vector { name: string; file: string; schema: string; value: unknown }
 const manifest = JSON.parse(readFileSync(join(VECTORS, "manifest.json"), "utf8")) as { vectors: Vector[] };
 
-/** The manifest's JSON form -> the client's: camelCase keys, {"$bigint"} -> bigint. */
-function fromJson(value: unknown): unknown {
-  if (Array.isArray(value)) return value.map(fromJson);
+/** The manifest's JSON form -> the client's: camelCase keys (but a map
+ * field's, which are data), {"$bigint"} -> bigint. */
+function fromJson(value: unknown, verbatim = false): unknown {
+  if (Array.isArray(value)) return value.map((v) => fromJson(v, verbatim));
   if (value !== null && typeof value === "object") {
     const record = value as Record<string, unknown>;
     if (Object.keys(record).length === 1 && typeof record.$bigint === "string") return BigInt(record.$bigint);
-    return Object.fromEntries(Object.entries(record).map(([k, v]) => [camel(k), fromJson(v)]));
+    return Object.fromEntries(
+      Object.entries(record).map(([k, v]) => [verbatim ? k : camel(k), fromJson(v, verbatim || MAP_FIELDS.has(k))]),
+    );
   }
   return value;
 }
@@ -45,6 +48,12 @@ for (const vector of manifest.vectors) {
     assert.deepEqual(encodeStruct(vector.schema, expected as Record<string, unknown>), raw, "JSON value -> encode");
   });
 }
+
+test("a map field's keys go on the wire as given", () => {
+  const bytes = encodeStruct("OpenSession", { chatTemplateKwargs: { enable_thinking: false } });
+  assert.deepEqual(decode(bytes), { chatTemplateKwargs: { enable_thinking: false } });
+  assert.ok(Buffer.from(bytes).includes(Buffer.from("enable_thinking")));
+});
 
 test("an integral float stays a float64", () => {
   const bytes = encodeStruct("Generate", { temperature: 1 });

