@@ -54,6 +54,9 @@ def serve(
     model: str | None = typer.Option(
         None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."
     ),
+    chat_template: str | None = typer.Option(
+        None, help="Jinja chat template file for local workers, instead of the model's own (default: the model's)."
+    ),
     draft_model: str | None = typer.Option(
         None, help="Draft model for speculative decoding; its tokenizer must be the model's (default: none)."
     ),
@@ -124,6 +127,7 @@ def serve(
             workers=workers,
             slabs=slabs,
             model=model,
+            chat_template=chat_template,
             draft_model=draft_model,
             draft_quantized=draft_quantized or None,
             admission=admission,

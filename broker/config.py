@@ -40,6 +40,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     workers: Count = 1
     slabs: Annotated[int, msgspec.Meta(ge=1)] = 4
     model: str | None = None
+    chat_template: str | None = None  # a Jinja file replacing the model's chat template (worker --chat-template)
     draft_model: str | None = None  # speculative decoding's draft model (worker --draft-model)
     draft_quantized: bool = False  # keep its weights quantized
     worker_args: list[str] = []  # extra `kvmux worker` options, e.g. ["--window", "512"]

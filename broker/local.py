@@ -63,6 +63,8 @@ class LocalWorkers:
         cmd += ["--max-tokens-limit", str(cfg.max_tokens_limit), "--max-append-tokens", str(cfg.max_append_tokens)]
         if cfg.model:
             cmd += ["--model", cfg.model]
+        if cfg.chat_template:
+            cmd += ["--chat-template", cfg.chat_template]
         if cfg.draft_model:
             cmd += ["--draft-model", cfg.draft_model] + (["--draft-quantized"] if cfg.draft_quantized else [])
         return cmd + list(cfg.worker_args)

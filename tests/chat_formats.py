@@ -34,10 +34,11 @@ class Format:
     def source(self) -> str:
         return (TEMPLATES / f"{self.template}.jinja").read_text()
 
-    def close(self, ended: bool) -> str:
-        """The closing fed after a reply; less the end-of-turn token when the
-        model generated it and the closing starts with it."""
-        return self.closing[len(EOS) :] if ended and self.closing.startswith(EOS) else self.closing
+    def close(self, end: str) -> str:
+        """The closing fed after a reply; less the end-of-turn token `end`
+        when the model generated it ("" when something else stopped the
+        reply) and the closing starts with it."""
+        return self.closing[len(end) :] if end and self.closing.startswith(end) else self.closing
 
     def turn(self, i: int, system: str, user: str) -> str:
         return (self.first if i == 0 else self.user)(system, user)
@@ -123,7 +124,9 @@ class Chat:
         fed = [t for piece in pieces for t in self.encode(piece)]
         assert result.prompt_tokens == len(fed), f"{self.fmt.template}, {question!r}: {result}"
         assert result.completion_tokens == len(generated) > 0
-        self.closing = self.fmt.close(result.stop_reason == StopReason.EOS)
+        self.closing = self.fmt.close(
+            self.tokenizer.decode(generated[-1:]) if result.stop_reason == StopReason.EOS else ""
+        )
         self.ids += fed + generated
         self.text += "".join(pieces) + self.tokenizer.decode(generated)
         assert result.history_tokens == len(self.history)

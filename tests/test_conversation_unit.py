@@ -196,10 +196,9 @@ def test_a_chat_feeds_each_message_as_the_template_renders_it_at_its_position(gg
         question = f"Question {i}?"
         assert conv.extend([user(question)]) == fmt.turn(i, "Be brief.", question)
         assert conv.generation_prompt() == fmt.prompt
-        reply, ended = reply_for(name, i), i == 1
-        end = EOS if ended else ""
-        assert conv.close_turn(reply, reply + end, end) == fmt.close(ended)
-        expected += fmt.turn(i, "Be brief.", question) + fmt.prompt + reply + end + fmt.close(ended)
+        reply, end = reply_for(name, i), EOS if i == 1 else ""
+        assert conv.close_turn(reply, reply + end, end) == fmt.close(end)
+        expected += fmt.turn(i, "Be brief.", question) + fmt.prompt + reply + end + fmt.close(end)
     assert conv.rendered == expected
     assert [m["role"] for m in conv.messages] == ["system"] + ["user", "assistant"] * 3
 

@@ -7,11 +7,14 @@ as llama.cpp decodes them; files that cannot load refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from chat_formats import FORMATS, TEMPLATES, Chat
 from conftest import Stack, kvmux_command
 
 from kvmux.client import Client
@@ -45,7 +48,10 @@ def gemma(gemma_path):
 
 @pytest.fixture(scope="module")
 def gemma_stack(gemma, gemma_path):
-    stack = Stack(workers=1, slabs=2, worker_args=["--model", str(gemma_path)])
+    # The file is Gemma 3's base model: no chat template of its own, so the
+    # worker takes Gemma 3's instruct template (tests/data/templates).
+    template = TEMPLATES / "gemma3.jinja"
+    stack = Stack(workers=1, slabs=4, worker_args=["--model", str(gemma_path), "--chat-template", str(template)])
     yield stack
     stack.stop()
 
@@ -130,6 +136,55 @@ def test_a_chat_past_the_sliding_window_matches_mlx_lm(gemma, gemma_stack):
     sliding = (args.num_hidden_layers - globals_) * (512 + spare)
     assert info.kv_live_bytes == (sliding + globals_ * -(-history // 256) * 256) * slot
     assert info.slab_bytes == (sliding + globals_ * (info.sink + info.window + spare)) * slot
+
+
+def test_a_chat_with_gemma3s_template(gemma, gemma_stack):
+    """Chat messages through the daemon in Gemma 3's own vocabulary: each
+    turn prefills only its message and the generation prompt, the system
+    prompt once inside the first user turn, the replies kept as generated
+    (`<end_of_turn>` ends a turn: the closing does not feed it twice)."""
+    fmt = dataclasses.replace(
+        FORMATS["gemma3"], first=lambda system, user: f"<bos><start_of_turn>user\n{system}\n\n{user}<end_of_turn>\n"
+    )
+    system = "Answer in one short sentence."
+    with Client(gemma_stack.frontend, timeout=300) as client, client.open_session(system=system) as session:
+        chat = Chat(session, fmt, gemma.tokenizer, system)
+        replies = [chat.turn(q, max_tokens=12) for q in ("What is the sky's colour?", "And grass?", "And snow?")]
+        assert all(r.strip() for r in replies)
+        info = session.info(token_ids=True)
+    assert info.token_ids == chat.history
+    assert gemma.tokenizer.decode(info.token_ids) == chat.history_text
+
+
+def test_sessions_past_the_sliding_window_decode_together_as_alone(gemma, gemma_stack):
+    """Four Gemma sessions, their histories past the 512-token sliding
+    window, decode together (shared passes, worker/forward.py) and then
+    alone: the same tokens, exactly."""
+    text = " ".join(f"Note {i}: the {i}th stone on the path is grey and smooth." for i in range(70))
+    ids = gemma.tokenizer.encode(text, add_special_tokens=False)
+    prompts = [ids[9 * i : 9 * i + 560 + 5 * i] for i in range(4)]
+
+    def decode(session) -> list[int]:
+        return [t for c in session.generate(max_tokens=32, temperature=0.0, speculative="off") for t in c.token_ids]
+
+    with Client(gemma_stack.frontend, timeout=300) as client:
+        sessions = [client.open_session() for _ in prompts]
+        for session, prompt in zip(sessions, prompts, strict=True):
+            session.append(token_ids=prompt)
+        together: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, decode(sessions[i]))) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for session in sessions:
+            session.close()
+        alone = []
+        for prompt in prompts:
+            with client.open_session() as session:
+                session.append(token_ids=prompt)
+                alone.append(decode(session))
+    assert [together[i] for i in range(4)] == alone
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

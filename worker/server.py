@@ -46,6 +46,7 @@ class WorkerConfig:
     max_append_tokens: int = p.DEFAULT_MAX_APPEND_TOKENS
     server_key: str = ""  # the broker's CURVE public key (z85 or its .key file): CURVE on
     curve_secret: str = ""  # this worker's secret key (z85 or a .key_secret file)
+    chat_template: str | None = None  # a Jinja file replacing the model's chat template
     draft_model: str | None = None  # a draft model for speculative decoding
     draft_quantized: bool = False  # keep the draft's quantized weights (smaller; slower on a CPU)
 
@@ -85,7 +86,7 @@ class Worker:
 
             # MLX streams belong to the thread that made them.
             mx.set_default_stream(mx.new_stream(mx.default_device()))
-            loaded = load(self.config.model)
+            loaded = load(self.config.model, chat_template=self.config.chat_template)
             draft = None
             if self.config.draft_model:
                 draft = load(self.config.draft_model, keep_quantized=self.config.draft_quantized or None)
@@ -118,7 +119,7 @@ class Worker:
             pipe.send_multipart([control.LOADED, p.encode(ready)])
             scheduler.run()
             scheduler.save_all()
-        except (FileNotFoundError, ValueError) as exc:  # a model that cannot be served: the config's to fix
+        except (OSError, ValueError) as exc:  # a model that cannot be served: the config's to fix
             log.error("model_refused", error=str(exc))
             pipe.send_multipart([control.FAILED, control.REFUSED])
         except BaseException:
