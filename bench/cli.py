@@ -213,6 +213,30 @@ def peers(
 
 
 @bench_app.command()
+def models(
+    model: list[str] = typer.Option(
+        None, "--model", help="A GGUF file or mlx-lm dir; repeat for each (default: the embedded model)."
+    ),
+    rounds: int = typer.Option(5, help="Rounds; each runs every model once, in turn."),
+    prompt_words: int = typer.Option(200, help="Words of plain text appended before each decode."),
+    decode_tokens: int = typer.Option(128, help="Greedy tokens decoded per run (speculative off)."),
+    output: Path = typer.Option(Path("models.json"), help="Report path."),
+) -> None:
+    """Decode and prefill tok/s of models side by side through the daemon, interleaved."""
+    import json
+
+    from kvmux import logs
+
+    from .models import ModelsConfig, run
+
+    logs.configure()
+    doc = run(
+        ModelsConfig(models=model or [], rounds=rounds, prompt_words=prompt_words, decode_tokens=decode_tokens), output
+    )
+    print(json.dumps(doc["summary"], indent=1))
+
+
+@bench_app.command()
 def admission(
     workers: int = typer.Option(2, help="Local workers."),
     slabs: int = typer.Option(2, help="Slabs per worker."),

@@ -14,7 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux.protocol import ErrorCode, ProtocolError
 from kvmux.worker.conversation import Conversation
-from kvmux.worker.model import _gguf_tokenizer
+from kvmux.worker.model import gguf_tokenizer as load_gguf_tokenizer
 
 # SmolLM2's template (ChatML), as the GGUF carries it.
 DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -25,7 +25,7 @@ TURN_END = "<|im_end|>\n"
 @pytest.fixture(scope="module")
 def gguf_tokenizer(model_path):
     """transformers' tokenizer, as worker/model.py builds it for a GGUF."""
-    return _gguf_tokenizer(model_path)
+    return load_gguf_tokenizer(model_path)
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def _windows(model: nn.Module) -> list[int | None]:
     return windows
 
 
-def _gguf_tokenizer(path: Path):
+def gguf_tokenizer(path: Path):
     """transformers rebuilds the HF tokenizer (and its chat template) from the
     GGUF metadata, which takes seconds; the result is cached on disk, keyed by
     the file's size and mtime, so later worker starts load it in a blink."""
@@ -193,7 +193,7 @@ def load(
         keep_quantized = mx.default_device() == mx.gpu
     if path.suffix == ".gguf":
         model, quantized = _load_gguf(path, keep_quantized)
-        tokenizer = _gguf_tokenizer(path)
+        tokenizer = gguf_tokenizer(path)
         tokenizer = TokenizerWrapper(tokenizer, eos_token_ids=_turn_ends(tokenizer))
     else:
         from mlx_lm.utils import dequantize_model
