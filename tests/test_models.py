@@ -19,6 +19,7 @@ from conftest import Stack, kvmux_command
 
 from kvmux.client import Client
 from kvmux.worker import forward
+from kvmux.worker.engine import PREFILL_CHUNK  # the worker's prefill step for a session alone
 from kvmux.worker.speculative import MAX_DRAFT
 
 PROMPTS = [
@@ -28,7 +29,6 @@ PROMPTS = [
 ]
 NEW_TOKENS = 24
 REPLY_TOKENS = 12  # a chat turn's: the history grows by the users' long turns
-PREFILL_CHUNK = 128  # the worker's prefill step for a session alone (worker/engine.py)
 
 
 @pytest.fixture(scope="module")
