@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 TS := clients/typescript
 
-.PHONY: setup serve test lint
+.PHONY: setup serve test lint bench-peers
 
 setup: $(VENV)/.setup
 
@@ -33,6 +33,17 @@ $(VENV)/.test-setup: $(VENV)/.setup
 	@scripts/system-deps --node
 	@$(PIP) install -e '.[worker,bench,http,test]'
 	@touch $@
+
+# llama.cpp's server for `kvmux bench peers`, built from llama-cpp-python's
+# source distribution (cmake and g++: ~7 minutes on 2 cores); the bench's
+# alone, never the daemon's.
+$(VENV)/.peers-setup: $(VENV)/.test-setup
+	@scripts/system-deps --build
+	@$(PIP) install -e '.[worker,bench,http,test,peers]'
+	@touch $@
+
+bench-peers: $(VENV)/.peers-setup
+	$(BIN)/kvmux bench peers --output bench/results/peers.json
 
 $(TS)/node_modules/.setup: $(TS)/package.json $(TS)/package-lock.json
 	@cd $(TS) && npm ci --silent --no-audit --no-fund && npm run --silent build

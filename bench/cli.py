@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
 
+KERNELS_DEFAULT = "native,haswell"
+KERNELS_HELP = "BLAS kernel families, each measured in a run of its own: native (the CPU's), haswell (AVX2 forced)."
 SESSION_PHASES = ("hibernating", "resident", "restore_vs_prefill", "crash_recovery")  # bench sessions, in run order
 
 bench_app = typer.Typer(
@@ -117,14 +120,13 @@ def perf(
         None, help="speculative: the draft model's file ('' for none) [default: the model itself]."
     ),
     draft_quantized: bool = typer.Option(False, help="speculative: keep the draft model's weights quantized."),
-    output: Path = typer.Option(Path("perf.json"), help="Report path; the plot goes next to it (.png)."),
+    kernels: str = typer.Option(KERNELS_DEFAULT, help=KERNELS_HELP),
+    output: Path = typer.Option(Path("perf.json"), help="Report path; the plots go next to it (.png)."),
 ) -> None:
     """Measure the runtime against the bare model: decode, broker hops, concurrency, transformers."""
     from kvmux import logs
-    from kvmux.worker.preload import ensure_preloaded
 
-    ensure_preloaded()  # the bare model must run with the worker's BLAS (re-execs once)
-    logs.configure()
+    from . import kernels as kernel_runs
     from . import plot
     from .perf import PerfConfig, run
 
@@ -149,12 +151,20 @@ def perf(
     )
     if only not in (None, "speculative"):
         raise typer.BadParameter("--only takes: speculative")
-    doc = run(cfg, output)
-    typer.echo(json.dumps(doc["ratios"], indent=1))
-    if only is None:
-        typer.echo(f"report: {output}\nplot: {plot.plot_perf(doc, output.with_suffix('.png'))}")
-    else:
+    families = kernel_runs.parse(kernels)
+    if kernel_runs.child() is None:
+        doc = kernel_runs.run_each("perf", families, output, asdict(cfg))
+        typer.echo(kernel_runs.columns({family: d["ratios"] for family, d in doc["families"].items()}))
+        for family, d in doc["families"].items():
+            if only is None:
+                typer.echo(f"plot: {plot.plot_perf(d, output.with_name(f'{output.stem}-{family}.png'))}")
         typer.echo(f"report: {output}")
+        return
+    from kvmux.worker.preload import ensure_preloaded
+
+    ensure_preloaded()  # the bare model must run with the worker's BLAS (re-execs once)
+    logs.configure()
+    run(cfg, output)
 
 
 @bench_app.command()
@@ -165,14 +175,16 @@ def engine(
     repeats: int = typer.Option(5, help="Interleaved A/B pairs per ratio."),
     decode_tokens: int = typer.Option(16, help="Tokens per decode measurement."),
     sessions: str = typer.Option("8,16", help="Session counts for the shared-pass ratios (against 1)."),
+    batch_invariant: bool = typer.Option(
+        False, "--batch-invariant", help="Pad passes as a worker with --batch-invariant does (default: as by default)."
+    ),
+    kernels: str = typer.Option(KERNELS_DEFAULT, help=KERNELS_HELP),
     output: Path = typer.Option(Path("engine.json"), help="Report path."),
 ) -> None:
     """The engine where sessions live: full window vs empty, shared passes vs one, worker vs stock mlx-lm."""
     from kvmux import logs
-    from kvmux.worker.preload import ensure_preloaded
 
-    ensure_preloaded()  # measure with the worker's BLAS (re-execs once)
-    logs.configure()
+    from . import kernels as kernel_runs
     from .engine import EngineConfig, run, summary
 
     cfg = EngineConfig(
@@ -182,10 +194,20 @@ def engine(
         decode_tokens=decode_tokens,
         sessions=tuple(int(n) for n in sessions.split(",")),
         model=model,
+        batch_invariant=batch_invariant,
     )
-    doc = run(cfg, output)
-    _print_summary("engine (median ratio, min-max)", summary(doc), None)
-    typer.echo(f"report: {output}")
+    families = kernel_runs.parse(kernels)
+    if kernel_runs.child() is None:
+        doc = kernel_runs.run_each("engine", families, output, asdict(cfg))
+        typer.echo("engine (median ratio, min-max):")
+        typer.echo(kernel_runs.columns({family: summary(d) for family, d in doc["families"].items()}))
+        typer.echo(f"report: {output}")
+        return
+    from kvmux.worker.preload import ensure_preloaded
+
+    ensure_preloaded()  # measure with the worker's BLAS (re-execs once)
+    logs.configure()
+    run(cfg, output)
 
 
 @bench_app.command()
@@ -359,9 +381,11 @@ def report(
     for path in paths_:
         doc = load(path)
         if doc.get("bench") == "perf":
-            typer.echo(f"{path}: perf ratios\n{json.dumps(doc.get('ratios'), indent=1)}")
-            if plot_:
-                plot.plot_perf(doc, path.with_suffix(".png"))
+            families = doc.get("families") or {"": doc}  # a report per kernel family, or one run's
+            for family, d in families.items():
+                typer.echo(f"{path}: perf ratios {family}\n{json.dumps(d.get('ratios'), indent=1)}")
+                if plot_:
+                    plot.plot_perf(d, path.with_name(f"{path.stem}{'-' if family else ''}{family}.png"))
             continue
         for block in filter(None, (doc, doc.get("baseline"))):
             try:

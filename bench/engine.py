@@ -9,7 +9,14 @@ has it), as ratios of two sides measured in interleaved repeats (A B A B
   one, at an empty and at a full window;
 - before/after: the same decode and prefill through mlx-lm's own forward
   pass and its stock RotatingKVCache (what the worker ran before
-  worker/attention.py), against the worker's pass.
+  worker/attention.py), against the worker's pass;
+- padding: decode at a full window and 8 shared sessions, padded as the
+  batch-invariant mode pads against as the default mode runs here
+  (worker/padding.py; 1.0 where the default pads too).
+
+The passes are padded as a worker's are in the mode asked for, decided
+the same way (the report's `padding`). `kvmux bench engine` measures each
+BLAS kernel family in a run of its own (bench/kernels.py).
 
 Each case runs at the serve default window (2048 + sink 4) and at a short
 one (256), and says which is which.
@@ -37,6 +44,7 @@ class EngineConfig:
     decode_tokens: int = 16
     sessions: tuple[int, ...] = (8, 16)
     model: str | None = None
+    batch_invariant: bool = False  # pad as a worker with --batch-invariant does
 
 
 class Bench:
@@ -50,11 +58,17 @@ class Bench:
 
         self.mx = mx
         self.cfg = cfg
-        from kvmux.worker.forward import calibrate
+        from kvmux.worker import padding
+        from kvmux.worker.speculative import MAX_DRAFT
 
-        self.model = load(cfg.model).model
+        loaded = load(cfg.model)
+        self.model = loaded.model
         self.layers = len(self.model.layers)
-        self.floors = calibrate(self.model, max(cfg.sessions) * 17 + 128)  # as the worker pads its passes
+        most_rows = max(cfg.sessions) * 17 + 128  # as a worker with that many slabs
+        self.padding = padding.decide(
+            self.model, most_rows, cfg.batch_invariant, lambda: loaded.make_slab(cfg.sink, padding.HISTORY, MAX_DRAFT)
+        )
+        self.floors = self.padding.floors
 
     # ------------------------------------------------------------ slabs
 
@@ -95,14 +109,14 @@ class Bench:
         mx.eval([c.state for c in out])
         return out
 
-    def run(self, cache: list, tokens: list[int], stock: bool = False):
+    def run(self, cache: list, tokens: list[int], stock: bool = False, floors=None):
         from kvmux.worker.forward import Segment, forward
 
         mx = self.mx
         if stock:
             logits = self.model(mx.array(tokens)[None], cache=cache)[:, -1, :]
         else:
-            logits = forward(self.model, [Segment(mx.array(tokens), cache)], self.floors)[0]
+            logits = forward(self.model, [Segment(mx.array(tokens), cache)], floors or self.floors)[0]
         mx.eval(logits, [c.state for c in cache])
         return logits
 
@@ -113,11 +127,11 @@ class Bench:
 
     # ------------------------------------------------------------ measures
 
-    def decode_tps(self, cache: list, stock: bool = False) -> float:
+    def decode_tps(self, cache: list, stock: bool = False, floors=None) -> float:
         n = self.cfg.decode_tokens
         started = time.perf_counter()
         for i in range(n):
-            self.run(cache, [100 + i], stock)
+            self.run(cache, [100 + i], stock, floors)
         return n / (time.perf_counter() - started)
 
     def prefill_s(self, cache: list, stock: bool = False) -> float:
@@ -125,7 +139,7 @@ class Bench:
         self.run(cache, [200 + i for i in range(MESSAGE_TOKENS)], stock)
         return time.perf_counter() - started
 
-    def shared_tps(self, slabs: list[list]) -> float:
+    def shared_tps(self, slabs: list[list], floors=None) -> float:
         """Tokens/s of len(slabs) sessions decoding in shared passes."""
         from kvmux.worker.forward import Segment, forward
 
@@ -133,7 +147,8 @@ class Bench:
         n = self.cfg.decode_tokens
         started = time.perf_counter()
         for i in range(n):
-            logits = forward(self.model, [Segment(mx.array([100 + i]), slab) for slab in slabs], self.floors)
+            segments = [Segment(mx.array([100 + i]), slab) for slab in slabs]
+            logits = forward(self.model, segments, floors or self.floors)
             mx.eval(logits, [[c.state for c in slab] for slab in slabs])
         return n * len(slabs) / (time.perf_counter() - started)
 
@@ -149,8 +164,10 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
     bench = Bench(cfg)
     writer = ReportWriter(output, "engine", asdict(cfg))
     results: dict = {}
+    writer.doc["padding"] = asdict(bench.padding)
     writer.doc["results"] = results
-    cases = len(cfg.windows) * (4 + 2 * len(cfg.sessions))
+    cases = len(cfg.windows) * (6 + 2 * len(cfg.sessions))
+    padded = bench.padding.calibrated
     with tqdm(total=cases * cfg.repeats, desc="engine", unit="pair", disable=not progress) as bar:
         for window in cfg.windows:
             label = f"window_{window}" + (" (serve default)" if window == 2048 else " (short)")
@@ -175,7 +192,14 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
             r["prefill24_full_worker_vs_stock"] = bench.interleaved(
                 lambda s=stock_full: bench.prefill_s(s, stock=True), lambda f=full: bench.prefill_s(f), bar
             )
-            del stock_full, full
+            r["decode_full_batch_invariant_vs_default"] = bench.interleaved(
+                lambda f=full: bench.decode_tps(f), lambda f=full: bench.decode_tps(f, floors=padded), bar
+            )
+            eight = [full] + [bench.copy(full) for _ in range(7)]
+            r["shared_8_full_batch_invariant_vs_default"] = bench.interleaved(
+                lambda k=eight: bench.shared_tps(k), lambda k=eight: bench.shared_tps(k, floors=padded), bar
+            )
+            del stock_full, full, eight
             for count in cfg.sessions:
 
                 def fresh(n, empty=empty):

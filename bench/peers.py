@@ -1,6 +1,8 @@
 """`kvmux bench peers`: kvmux against `mlx_lm.server` (the same engine and
 model: an mlx-lm directory exported from the embedded GGUF, with the same
-OpenBLAS preload), one after the other in one run.
+OpenBLAS preload) and llama.cpp's server (llama-cpp-python's, on the same
+GGUF file, where it is installed: `make bench-peers`), one after the other
+in one run.
 
 - conversation: one long chat (default 400 turns, 8-token greedy replies).
   kvmux gets each turn's new message on its session (serve defaults: window
@@ -45,6 +47,9 @@ READY_TIMEOUT_S = 180.0
 # of what a turn costs to prefill and keep, and the gateway's run after the
 # client's would otherwise draft the client's identical replies.
 SPECULATIVE = "off"
+# llama.cpp's context holds the whole conversation (400 turns: ~12k tokens),
+# as mlx_lm.server's unbounded prompt cache does.
+LLAMA_CPP_CONTEXT = 16384
 
 
 @dataclass
@@ -83,21 +88,17 @@ def export_mlx_dir(path: Path) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def mlx_lm_server(model_dir: Path, max_tokens: int) -> Iterator[tuple[str, int]]:
-    """`mlx_lm.server` on a free port (prompt cache on, its default): its
-    base URL and pid."""
-    from kvmux.worker.preload import openblas_path
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ)
-    if lib := openblas_path():
-        env["LD_PRELOAD"] = lib
-    log_path = Path(tempfile.mkdtemp(prefix="mlx-lm-server-")) / "server.log"
-    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port)]
-    cmd += ["--temp", "0", "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+
+@contextlib.contextmanager
+def openai_server(name: str, cmd: list[str], port: int, env: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """A peer's OpenAI-compatible server process, until it answers
+    /v1/models: its base URL and pid."""
+    log_path = Path(tempfile.mkdtemp(prefix="peer-server-")) / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -105,18 +106,52 @@ def mlx_lm_server(model_dir: Path, max_tokens: int) -> Iterator[tuple[str, int]]
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited: {log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"{name} exited: {log_path.read_text()[-2000:]}")
             with contextlib.suppress(OSError):
                 urllib.request.urlopen(f"{url}/v1/models", timeout=2).read()
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"mlx_lm.server not ready: {log_path.read_text()[-2000:]}")
+                raise TimeoutError(f"{name} not ready: {log_path.read_text()[-2000:]}")
             time.sleep(0.5)
         yield url, proc.pid
     finally:
         spawn.stop(proc, timeout_s=20)
         log_path.unlink(missing_ok=True)
         log_path.parent.rmdir()
+
+
+def mlx_lm_server(model_dir: Path, max_tokens: int):
+    """`mlx_lm.server` (prompt cache on, its default), with the worker's
+    OpenBLAS preload."""
+    from kvmux.worker.preload import openblas_path
+
+    port = _free_port()
+    env = dict(os.environ)
+    if lib := openblas_path():
+        env["LD_PRELOAD"] = lib
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port)]
+    cmd += ["--temp", "0", "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+    return openai_server("mlx_lm.server", cmd, port, env)
+
+
+def llama_cpp_available() -> bool:
+    """llama-cpp-python's server, built from its source distribution for the
+    bench only (`make bench-peers` installs it; never a dependency of serve)."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_cpp_server(gguf: Path, n_ctx: int):
+    """llama.cpp's server (llama-cpp-python's) on the same GGUF file, as
+    stored (Q4_1), a thread per core; it keeps the previous request's
+    tokens and prefills only what follows their common prefix."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
+    cmd += ["--n_ctx", str(n_ctx), "--n_threads", str(os.cpu_count() or 1), "--verbose", "False"]
+    return openai_server("llama.cpp server", cmd, port, dict(os.environ))
 
 
 def peer_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[str, int]:
@@ -192,7 +227,8 @@ def http_gateway(frontend: str) -> Iterator[str]:
 
 
 class Peer:
-    """A conversation against mlx_lm.server: the whole history every turn."""
+    """A conversation against a peer's OpenAI-compatible server: the whole
+    history every turn."""
 
     def __init__(self, url: str, system: str, max_tokens: int):
         self.url, self.max_tokens = url, max_tokens
@@ -271,34 +307,42 @@ def _gateway_summary(doc: dict, marks: list[int]) -> dict | None:
     }
 
 
+PEERS = ("mlx_lm_server", "llama_cpp_server")
+
+
 def summarize(doc: dict) -> dict:
-    k, p = doc["kvmux"]["conversation"], doc["mlx_lm_server"]["conversation"]
-    turns = min(len(k), len(p))
-    below = sum(k[i]["latency_s"] < p[i]["latency_s"] for i in range(turns))
-    equal = [k[i]["reply"] == p[i]["reply"] for i in range(turns)]
-    first_diff = equal.index(False) + 1 if False in equal else None
+    """Per-turn latency at marked turns, memory, agreement and aggregate
+    tokens/s of kvmux and each peer that ran."""
+    k = doc["kvmux"]["conversation"]
+    peers = [name for name in PEERS if name in doc]
 
     def at(rows: list[dict], turn: int, key: str):
         return rows[turn - 1][key] if turn <= len(rows) else None
 
-    marks = [t for t in (2, 10, 20, 60, 100, 200, 300, 400) if t <= turns]
-    return {
-        "turns": turns,
-        "turns_kvmux_faster": below,
-        "latency_s": {t: {"kvmux": at(k, t, "latency_s"), "mlx_lm_server": at(p, t, "latency_s")} for t in marks},
-        "latency_p50_s": {
-            "kvmux": percentile([r["latency_s"] for r in k], 50),
-            "mlx_lm_server": percentile([r["latency_s"] for r in p], 50),
-        },
-        "rss_mb_last": {"kvmux_worker": k[-1]["rss_mb"], "mlx_lm_server": p[-1]["rss_mb"]},
-        "replies_equal": sum(equal),
-        "first_different_reply_turn": first_diff,
-        "concurrent_tokens_per_s": {
-            "kvmux": doc["kvmux"]["concurrent"]["tokens_per_s"],
-            "mlx_lm_server": doc["mlx_lm_server"]["concurrent"]["tokens_per_s"],
-        },
+    marks = [t for t in (2, 10, 20, 60, 100, 200, 300, 400) if t <= len(k)]
+    runs = {"kvmux": k} | {name: doc[name]["conversation"] for name in peers}
+    out = {
+        "turns": len(k),
+        "latency_s": {t: {name: at(rows, t, "latency_s") for name, rows in runs.items()} for t in marks},
+        "latency_p50_s": {name: percentile([r["latency_s"] for r in rows], 50) for name, rows in runs.items()},
+        "rss_mb_last": {name: rows[-1]["rss_mb"] for name, rows in runs.items()},
+        "concurrent_tokens_per_s": {name: doc[name]["concurrent"]["tokens_per_s"] for name in runs},
         "kvmux_http": _gateway_summary(doc, marks),
     }
+    for name in peers:
+        p = runs[name]
+        turns = min(len(k), len(p))
+        equal = [k[i]["reply"] == p[i]["reply"] for i in range(turns)]
+        out[name] = {
+            "turns_kvmux_faster": sum(k[i]["latency_s"] < p[i]["latency_s"] for i in range(turns)),
+            "replies_equal": sum(equal),
+            "first_different_reply_turn": equal.index(False) + 1 if False in equal else None,
+            "latency_p50_vs_kvmux": round(out["latency_p50_s"][name] / out["latency_p50_s"]["kvmux"], 3),
+            "concurrent_tokens_per_s_vs_kvmux": round(
+                out["concurrent_tokens_per_s"][name] / out["concurrent_tokens_per_s"]["kvmux"], 3
+            ),
+        }
+    return out
 
 
 def run(cfg: PeersConfig, output: Path, model_dir: Path, progress: bool = True) -> dict:
@@ -334,6 +378,19 @@ def run(cfg: PeersConfig, output: Path, model_dir: Path, progress: bool = True) 
         doc["mlx_lm_server"] = {"conversation": conversation(new_peer, pid, cfg.turns, "mlx_lm.server", progress)}
         writer.write()
         doc["mlx_lm_server"]["concurrent"] = concurrent(new_peer, cfg.concurrent, cfg.concurrent_turns)
+        writer.write()
+    if llama_cpp_available():
+        from kvmux.paths import default_model_path
+
+        with llama_cpp_server(default_model_path(), LLAMA_CPP_CONTEXT) as (url, pid):
+
+            def new_llama():
+                return Peer(url, cfg.system, cfg.max_tokens)
+
+            rows = conversation(new_llama, pid, cfg.turns, "llama.cpp server", progress)
+            doc["llama_cpp_server"] = {"conversation": rows}
+            writer.write()
+            doc["llama_cpp_server"]["concurrent"] = concurrent(new_llama, cfg.concurrent, cfg.concurrent_turns)
     doc["summary"] = summarize(doc)
     writer.write("done")
     return doc
@@ -347,7 +404,7 @@ def plot(doc: dict, path: Path) -> Path:
 
     fig, (lat, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
     lines = [("kvmux", "kvmux (session)"), ("kvmux_http", "kvmux http (openai client, whole history)")]
-    lines += [("mlx_lm_server", "mlx_lm.server (prompt cache)")]
+    lines += [("mlx_lm_server", "mlx_lm.server (prompt cache)"), ("llama_cpp_server", "llama.cpp server (Q4_1)")]
     for name, label in lines:
         if name not in doc:
             continue

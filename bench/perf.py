@@ -18,6 +18,10 @@ by side in one run on the same model.
   on edit, agentic and chat workloads (bench/speculative.py), with lookup
   drafts and with a draft model. `--only speculative` runs just this part.
 
+`kvmux bench perf` runs all this once per BLAS kernel family, each in a
+run of its own (bench/kernels.py), and reports a column per family; each
+run records the worker's kernels, padding mode and floors.
+
 stack_vs_bare_decode, sessions_throughput and prefill_stall are ratios of
 interleaved pairs (A B A B ...: the cores are shared and noisy), reported
 as median, min and max; the engine and transformers timings are the best of
@@ -33,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 from tqdm import tqdm
 
 from kvmux.client import Client
@@ -254,10 +259,13 @@ def run(cfg: PerfConfig, output: Path) -> dict:
     story_ids = list(tok.apply_chat_template([{"role": "user", "content": STORY}], add_generation_prompt=True))
     long_ids = tok.encode(PASSAGE * (cfg.prefill_tokens // 20 + 1), add_special_tokens=False)[: cfg.prefill_tokens]
     slabs = max(cfg.sessions) + 1
+    started = time.perf_counter()
     with spawn.serve(workers=1, slabs=slabs, model=cfg.model) as frontend:
+        doc["worker_start_s"] = round(time.perf_counter() - started, 2)  # serve started to a worker registered
         with Client(frontend, timeout=cfg.timeout_s) as client:
             worker = client.stats().workers[0]
             doc["worker_openblas"] = preloaded(worker.pid)
+            doc["worker_compute"] = msgspec.to_builtins(worker.compute)  # kernels, mode, floors, padding's cost
             doc["stack_vs_bare_decode"] = stack_vs_bare(client, loaded, story_ids, cfg)
             steps.update()
             writer.write()

@@ -72,6 +72,13 @@ def machine() -> dict:
         except metadata.PackageNotFoundError:
             continue
     info["openblas_num_threads"] = os.environ.get("OPENBLAS_NUM_THREADS")
+    # What picks the matmul kernels, and so decides speed and padding
+    # (worker/padding.py): the CPU's vector extensions and the BLAS core.
+    from kvmux.worker.preload import blas_core, cpu_flags
+
+    info["cpu_flags"] = cpu_flags()
+    info["openblas_coretype"] = os.environ.get("OPENBLAS_CORETYPE")
+    info["blas"] = blas_core()
     return info
 
 

@@ -59,13 +59,16 @@ def summarize(turns: list[dict]) -> dict:
     drift = _ratio(prefill_last, prefill_first)
 
     kv = [r["kv_live_bytes"] for r in ok]
+    capacity = min(r["slab_bytes"] for r in ok)
     filled = [r for r in ok if r["truncated_tokens"] > 0]
-    # Once the window has dropped tokens the slab is full: from then on the
-    # bytes must stay flat. A run whose window never filled cannot show that.
-    after_fill = filled or ok
+    # The slab is full once its arrays hold every slot it has: the window's,
+    # and the spare ones a verify pass writes its drafts into, which fill
+    # after the window starts dropping tokens. From then on the bytes must
+    # stay flat. A run whose slab never filled cannot show that.
+    full = next((r["turn"] for r in ok if r["kv_live_bytes"] >= capacity), None)
+    after_fill = [r for r in ok if r["turn"] >= full] if full is not None else ok
     kv_after = [r["kv_live_bytes"] for r in after_fill]
     spread = max(kv_after) / min(kv_after)
-    capacity = min(r["slab_bytes"] for r in ok)
 
     # RSS per worker process, from the first turn after the fill on.
     rss_by_pid: dict[Any, list[int]] = defaultdict(list)
@@ -91,15 +94,16 @@ def summarize(turns: list[dict]) -> dict:
         "history_tokens_max": max(r["history_tokens"] for r in ok),
         "truncated_tokens_max": max(r["truncated_tokens"] for r in ok),
         "window_filled_at_turn": filled[0]["turn"] if filled else None,
+        "slab_full_at_turn": full,
         "kv_live_bytes_min": min(kv),
         "kv_live_bytes_max": max(kv),
-        "kv_bytes_after_fill_spread": spread if filled else None,
+        "kv_bytes_after_fill_spread": spread if full is not None else None,
         "slab_bytes": capacity,
         "rss_bytes_first": next(iter(rss_by_pid.values()))[0] if rss_by_pid else None,
         "rss_bytes_max": max((max(s) for s in rss_by_pid.values()), default=None),
         "rss_growth_ratio": rss_growth,
         "prefill_bounded": drift is not None and drift <= PREFILL_DRIFT_MAX,
-        "kv_bounded": bool(filled) and spread <= KV_SPREAD_MAX and max(kv) <= capacity,
+        "kv_bounded": full is not None and spread <= KV_SPREAD_MAX and max(kv) <= capacity,
         "rss_bounded": None if rss_growth is None else rss_growth <= RSS_GROWTH_MAX,
     }
 

@@ -787,6 +787,7 @@ class Broker(SessionLifecycle):
                 last_seen_s=round(now - w.last_seen, 3),
                 drafted=w.drafted,
                 accepted=w.accepted,
+                compute=w.ready.compute,
             )
             for w in reg.workers.values()
         ]

@@ -63,6 +63,12 @@ def serve(
     draft_quantized: bool = typer.Option(
         False, "--draft-quantized", help="Keep the draft model's weights quantized (smaller; slower on a CPU)."
     ),
+    batch_invariant: bool = typer.Option(
+        False,
+        "--batch-invariant",
+        help="Local workers pad every pass: bit-identical tokens whatever shares a pass, at whatever it costs"
+        " (default: pad only where it costs a decode step at most 5 %).",
+    ),
     admission: str | None = typer.Option(
         None, help="When every slab is busy running a request: reject | queue (default: reject)."
     ),
@@ -130,6 +136,7 @@ def serve(
             chat_template=chat_template,
             draft_model=draft_model,
             draft_quantized=draft_quantized or None,
+            batch_invariant=batch_invariant or None,
             admission=admission,
             queue_depth=queue_depth,
             queue_wait_s=queue_wait_s,
@@ -280,6 +287,21 @@ def _by_reason(refused) -> str:
     return " (" + ", ".join(f"{r.reason} {r.count}" for r in refused) + ")" if refused else ""
 
 
+def format_compute(c) -> str:
+    """A worker's kernels and padding in one cell, e.g. "OpenBLAS Haswell,
+    default: near-tie (exact: decode rows one at a time, 3.90x)"."""
+    if c is None:
+        return "-"
+    how = "decode rows one at a time" if c.rows_alone else f"padded to {max(c.floors.values(), default=1)} rows"
+    if c.exact and (c.rows_alone or c.floors):
+        padding = f"exact, {how} ({c.pad_cost:.2f}x)"
+    elif c.exact:
+        padding = "exact, nothing to pad"
+    else:
+        padding = f"near-tie (exact: {how}, {c.pad_cost:.2f}x)"
+    return f"{c.blas or c.device}, {c.mode}: {padding}"
+
+
 def format_stats(s) -> str:
     """BrokerStats as a short summary and one row per worker."""
     lines = [
@@ -304,6 +326,7 @@ def format_stats(s) -> str:
         "IN FLIGHT",
         "FRAMES",
         "ACCEPTED",
+        "PASSES",
         "SEEN",
     )
     rows = [
@@ -318,6 +341,7 @@ def format_stats(s) -> str:
             str(w.in_flight),
             str(w.frames_forwarded),
             f"{w.accepted}/{w.drafted} ({w.accepted / w.drafted:.0%})" if w.drafted else "-",
+            format_compute(w.compute),
             f"{w.last_seen_s:.1f}s ago",
         )
         for w in s.workers

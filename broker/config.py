@@ -43,6 +43,7 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chat_template: str | None = None  # a Jinja file replacing the model's chat template (worker --chat-template)
     draft_model: str | None = None  # speculative decoding's draft model (worker --draft-model)
     draft_quantized: bool = False  # keep its weights quantized
+    batch_invariant: bool = False  # local workers pad every pass (worker --batch-invariant)
     worker_args: list[str] = []  # extra `kvmux worker` options, e.g. ["--window", "512"]
     # admission
     admission: Literal["reject", "queue"] = "reject"

@@ -67,6 +67,8 @@ class LocalWorkers:
             cmd += ["--chat-template", cfg.chat_template]
         if cfg.draft_model:
             cmd += ["--draft-model", cfg.draft_model] + (["--draft-quantized"] if cfg.draft_quantized else [])
+        if cfg.batch_invariant:
+            cmd += ["--batch-invariant"]
         return cmd + list(cfg.worker_args)
 
     def env(self) -> dict[str, str]:

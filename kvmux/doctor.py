@@ -5,6 +5,7 @@ run with OpenBLAS preloaded, whether the daemon answers."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import sys
 from pathlib import Path
@@ -43,7 +44,8 @@ def doctor(
     model: Path | None = typer.Option(None, help="A GGUF file to check: would a worker load it (`--model`)?"),
 ) -> None:
     """Check the installation and the running daemon; exit 1 if something is wrong."""
-    from kvmux.worker.preload import openblas_path, preloaded
+    from kvmux.broker.cli import format_compute
+    from kvmux.worker.preload import cpu_flags, openblas_path, preloaded
 
     ok = True
 
@@ -86,6 +88,8 @@ def doctor(
     if platform.system() == "Linux":
         lib = openblas_path()
         line("openblas", lib or "missing: apt-get install libopenblas0-pthread", lib is not None)
+        coretype = os.environ.get("OPENBLAS_CORETYPE")
+        line("cpu flags", " ".join(cpu_flags()) + (f" (OPENBLAS_CORETYPE={coretype} here)" if coretype else ""))
     line("runtime dir", str(runtime_dir()))
 
     from kvmux.client import Client, KvmuxError
@@ -107,6 +111,7 @@ def doctor(
             line(f"worker {w.worker_id}", f"{w.model}, {w.slabs_used}/{w.slabs_total} slabs, {blas}", preloaded(w.pid))
         else:
             line(f"worker {w.worker_id}", f"{w.model} on {w.host}, {w.slabs_used}/{w.slabs_total} slabs")
+        line(f"worker {w.worker_id} passes", format_compute(w.compute))
     if not stats.workers:
         line("workers", "none registered", False)
     raise typer.Exit(0 if ok else 1)

@@ -120,6 +120,19 @@ class Drain(_Body):
 # ------------------------------------------------------- worker <-> broker
 
 
+class Compute(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What decides a worker's speed and exactness (worker/padding.py)."""
+
+    device: str  # MLX's device, e.g. "Device(cpu, 0)"
+    blas: str = ""  # the BLAS kernels in use, e.g. "OpenBLAS Haswell"
+    mode: str = "default"  # or "batch-invariant" (always pad)
+    exact: bool = True  # decode rows bit-identical whatever shares their pass
+    floors: dict[str, int] = {}  # rows that make a projection row-invariant (those above 1); padded to if exact
+    rows_alone: bool = False  # rows depend on where they sit: invariance runs decode rows one at a time
+    pad_cost: float = 1.0  # invariant passes' time over plain ones', measured at start (worker/padding.py)
+    calibrate_s: float = 0.0  # seconds that calibration and measuring took at start
+
+
 class WorkerReady(_Body):
     model: str
     slabs: int
@@ -132,6 +145,7 @@ class WorkerReady(_Body):
     free_slabs: int
     sessions: list[str] = []  # live sessions it holds (kept across a broker restart)
     store: str = ""  # "host:state dir": workers with the same store share session records
+    compute: Compute | None = None
 
 
 class WorkerHeartbeat(_Body):
@@ -262,6 +276,7 @@ class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     last_seen_s: float
     drafted: int = 0  # speculative decoding since the worker started: tokens drafted
     accepted: int = 0  # of them, accepted by the verifier
+    compute: Compute | None = None
 
 
 class Refused(msgspec.Struct, kw_only=True):

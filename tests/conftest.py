@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,14 @@ import zmq.auth
 from kvmux import protocol as p
 
 STARTUP_TIMEOUT_S = 120.0  # a worker loads the model in seconds; 2 busy cores are slow
+
+# BLAS kernel families a test's workers run on: the machine's own, and
+# OpenBLAS's AVX2 ones forced (whose rows depend on where they sit in a
+# product: docs/design.md, "Batch invariance"). On an AVX2-only CPU both are Haswell.
+KERNELS = {"native": {}, "haswell": {"OPENBLAS_CORETYPE": "Haswell"}}
+# A near tie: the most the two tokens' logits may differ where a session
+# that shared passes parts from its run alone (padding.py's default mode).
+NEAR_TIE = 0.01
 
 
 def _free_tcp_port() -> int:
@@ -64,8 +73,10 @@ class Stack:
         worker_args=(),
         transport: str = "ipc",
         curve: bool = False,
+        env: dict[str, str] | None = None,
     ):
         self.dir = Path(tempfile.mkdtemp(prefix="kvmux-t-", dir="/tmp"))  # short: ipc paths are limited
+        self.env = env or {}  # for every process, e.g. KERNELS["haswell"]
         if transport == "ipc" and not curve:
             self.frontend = f"ipc://{self.dir}/f.ipc"
             self.backend = f"ipc://{self.dir}/b.ipc"
@@ -119,7 +130,7 @@ class Stack:
         ]
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "KVMUX_LOG_LEVEL": os.environ.get("KVMUX_LOG_LEVEL", "info")}
+        env = {**os.environ, "KVMUX_LOG_LEVEL": os.environ.get("KVMUX_LOG_LEVEL", "info"), **self.env}
         with open(self.dir / f"{name}.log", "ab") as log:  # the child keeps its own copy of the fd
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -140,6 +151,11 @@ class Stack:
         if wait:
             self.wait_workers(sum(1 for w in self.workers if w.poll() is None))
         return proc
+
+    def exact(self) -> bool:
+        """Whether every worker's decode rows are bit-identical whatever
+        shares their pass (else: the same tokens or a parting at a near tie)."""
+        return all(w.compute.exact for w in self.stats().workers)
 
     def stats(self) -> p.BrokerStats:
         stats = broker_stats(self.admin)
@@ -193,14 +209,16 @@ class Daemon:
     """`kvmux serve` with its own local workers (supervised by it) on a state
     dir that outlives it: `tmp / "state"`."""
 
-    def __init__(self, tmp: Path, *, slabs: int = 2, workers: int = 1, args=(), wait: bool = True):
+    def __init__(
+        self, tmp: Path, *, slabs: int = 2, workers: int = 1, args=(), wait: bool = True, env: dict | None = None
+    ):
         self.tmp = tmp
         self.run = Path(tempfile.mkdtemp(prefix="kvmux-d-", dir="/tmp"))  # short: ipc paths are limited
         self.frontend = f"ipc://{self.run}/f.ipc"
         self.admin = f"ipc://{self.run}/admin.ipc"  # the default in its runtime dir
         serve = ["serve", "--workers", str(workers), "--slabs", str(slabs), "--frontend", self.frontend]
         cmd = kvmux_command(*serve, "--backend", f"ipc://{self.run}/b.ipc", "--state-dir", str(tmp / "state"), *args)
-        env = {**os.environ, "KVMUX_RUNTIME_DIR": str(self.run), "KVMUX_LOG_LEVEL": "info"}
+        env = {**os.environ, "KVMUX_RUNTIME_DIR": str(self.run), "KVMUX_LOG_LEVEL": "info", **(env or {})}
         self.log = tmp / f"serve-{time.monotonic_ns()}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -312,3 +330,41 @@ def hf_tokenizer(model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+
+
+@pytest.fixture(scope="session")
+def near_tie():
+    """`check(context, alone, other, exact, sink=4, window=2048)`: two greedy
+    continuations of `context` (token ids) are the same, or (when the
+    worker is not `exact`) part where the model's logits for the two
+    tokens, computed here, are within NEAR_TIE; returns where they parted
+    (None: nowhere). A reply that ended there chose an end-of-turn token."""
+    loaded = []
+
+    def logits_after(history: list[int], sink: int, window: int):
+        import mlx.core as mx
+
+        from kvmux.worker.forward import Floors, Segment, forward
+        from kvmux.worker.model import load
+
+        loaded or loaded.append(load())
+        slab = loaded[0].make_slab(sink, window, 16)
+        for at in range(0, len(history), 128):
+            logits = forward(loaded[0].model, [Segment(mx.array(history[at : at + 128]), slab)], Floors())[0]
+        return logits[0]
+
+    def check(context: list[int], alone: list[int], other: list[int], exact: bool, sink: int = 4, window: int = 2048):
+        if alone == other:
+            return None
+        at = next((k for k in range(min(len(alone), len(other))) if alone[k] != other[k]), min(len(alone), len(other)))
+        where = f"parted at token {at} of {len(alone)}/{len(other)}: {alone[at : at + 3]} vs {other[at : at + 3]}"
+        assert not exact, f"{where} on a worker whose passes are exact"
+        logits = logits_after(context + alone[:at], sink, window)
+        eos = max(loaded[0].tokenizer.eos_token_ids, key=lambda t: logits[t].item())
+        a, b = (alone[at] if at < len(alone) else eos), (other[at] if at < len(other) else eos)
+        gap = abs(logits[a].item() - logits[b].item())
+        assert gap <= NEAR_TIE, f"{where}, on a logit margin of {gap:.4f} (a near tie is <= {NEAR_TIE})"
+        warnings.warn(f"{where}, at a near tie (logit margin {gap:.6f})", stacklevel=2)
+        return at
+
+    return check

@@ -46,12 +46,27 @@ def test_passing_soak_summary_matches_its_turns():
     assert s["rss_growth_ratio"] >= 1.0 and s["rss_bounded"] == (s["rss_growth_ratio"] <= 1.05)
 
 
+def test_kv_is_judged_flat_from_the_turn_the_slab_is_full_spare_slots_included():
+    """The window drops tokens a turn before the slab's spare slots (a verify
+    pass's drafts) are written: flatness is measured from the turn the
+    arrays hold every slot, where it holds."""
+    doc = load(DATA / "soak-window64-spare.json")
+    s = summarize(doc["turns"])
+    turns = sorted(ok_turns(doc), key=lambda r: r["turn"])
+    assert s["window_filled_at_turn"] == 2 and s["slab_full_at_turn"] == 3
+    assert turns[1]["truncated_tokens"] > 0 and turns[1]["kv_live_bytes"] < s["slab_bytes"]
+    assert {r["kv_live_bytes"] for r in turns[2:]} == {s["slab_bytes"]}
+    assert s["kv_bytes_after_fill_spread"] == 1.0 and s["kv_bounded"] is True
+    assert verdicts_pass(s)  # the run the issue saw exit 1 passes
+
+
 def test_growing_kv_series_fails_kv_bounded():
     doc = load(DATA / "soak-window2048-growing.json")
     s = summarize(doc["turns"])
     kv = [r["kv_live_bytes"] for r in sorted(ok_turns(doc), key=lambda r: r["turn"])]
     assert kv == sorted(kv) and kv[-1] > kv[0]  # the file really is a growing series
-    assert s["window_filled_at_turn"] is None and s["kv_bytes_after_fill_spread"] is None
+    assert s["window_filled_at_turn"] is None and s["slab_full_at_turn"] is None
+    assert s["kv_bytes_after_fill_spread"] is None
     assert s["kv_bounded"] is False
     assert not verdicts_pass(s)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import kvmux_command
+from conftest import KERNELS, Daemon, kvmux_command
 
 from kvmux.broker.admission import percentiles
 from kvmux.broker.config import BrokerConfig, ConfigError, load
@@ -75,3 +75,21 @@ def test_percentiles():
     p50, p99 = percentiles([0.1] * 99 + [10.0])
     assert p50 == pytest.approx(0.1)
     assert 0.1 < p99 < 10.0  # the one slow wait shows in the tail, not the median
+
+
+def test_batch_invariant_from_toml_reaches_the_local_workers(tmp_path):
+    """`batch_invariant = true` in the TOML: `kvmux serve`'s worker makes
+    every pass row-invariant (on AVX2 kernels too, where the default would
+    not), and stats and doctor say so."""
+    path = tmp_path / "kvmux.toml"
+    path.write_text("batch_invariant = true\n")
+    with Daemon(tmp_path, slabs=1, args=["--config", str(path)], env=KERNELS["haswell"]) as daemon:
+        stats = daemon.wait_workers(1)
+        compute = stats.workers[0].compute
+        assert (compute.mode, compute.exact, compute.blas) == ("batch-invariant", True, "OpenBLAS Haswell")
+        # AVX2 kernels' rows depend on where they sit: decode rows go one at a time, whatever it costs
+        assert compute.rows_alone and compute.pad_cost > 1.05
+        doctor = subprocess.run(
+            kvmux_command("doctor", "--endpoint", daemon.frontend), capture_output=True, text=True, timeout=60
+        )
+        assert "OpenBLAS Haswell, batch-invariant: exact, decode rows one at a time" in doctor.stdout, doctor.stdout

@@ -175,6 +175,9 @@ def test_kvmux_stats_command(shared_stack):
     assert done.returncode == 0, done.stderr
     assert "WORKER" in done.stdout and stats.workers[0].worker_id in done.stdout
     assert f"slabs {stats.slabs_used}/{stats.slabs_total} used" in done.stdout
+    compute = stats.workers[0].compute  # what decides the worker's speed and exactness
+    assert compute.mode == "default" and compute.blas in done.stdout
+    assert ("near-tie" in done.stdout) == (not compute.exact)
 
 
 def test_kvmux_stats_without_a_broker_fails_fast(tmp_path):

@@ -1,5 +1,6 @@
 """Sessions sharing forward passes (worker/forward.py): what a session gets
-in a pass with others, at a full window, and while another session's long
+in a pass with others, at a full window, in either padding mode on either
+BLAS kernel family (worker/padding.py), and while another session's long
 history goes in (docs/design.md, "Shared passes")."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import threading
 import time
 
 import pytest
+from conftest import KERNELS
 
 from kvmux.client import Client
 
@@ -23,44 +25,26 @@ PROMPTS = [
 ]
 
 
-def logit_margin(history: list[int], window: int, sink: int, a: int, b: int) -> float:
-    """The model's logit margin between tokens a and b after `history` (in
-    this process, with the worker's forward pass): what a failure reports."""
-    import mlx.core as mx
-
-    from kvmux.worker.forward import Segment, calibrate, forward
-    from kvmux.worker.model import load
-    from kvmux.worker.slab import make_slab
-
-    model = load().model
-    slab = make_slab([None] * len(model.layers), sink, window, 16)
-    floors = calibrate(model, 64)
-    for at in range(0, len(history), 128):
-        logits = forward(model, [Segment(mx.array(history[at : at + 128]), slab)], floors)[0]
-    return abs(logits[0, a].item() - logits[0, b].item())
-
-
 def decode(session, max_tokens: int) -> list[int]:
     return [t for chunk in session.generate(max_tokens=max_tokens, temperature=0.0) for t in chunk.token_ids]
 
 
-def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(stack_factory, hf_tokenizer):
-    """8 sessions, each past its window (sinks and windows differ), decode
-    220 tokens together and then alone: the same tokens, exactly (a decode
-    row's logits do not depend on the rest of its pass)."""
-    stack = stack_factory(workers=1, slabs=8)
-    shapes = [(4, 96 + 16 * i) if i % 2 else (0, 128 + 8 * i) for i in range(8)]
+def together_and_alone(stack, hf_tokenizer, near_tie, count: int, tokens: int) -> None:
+    """`count` sessions, each past its window (sinks and windows differ),
+    decode `tokens` together and then alone: the same tokens, or (a worker
+    whose passes are not exact) a parting at a near tie."""
+    shapes = [(4, 96 + 16 * i) if i % 2 else (0, 128 + 8 * i) for i in range(count)]
     # Plain text to continue (no chat turn to end), longer than any window.
-    prompts = [hf_tokenizer.encode(" ".join(f"{p} Part {k}." for k in range(12))) for p in PROMPTS]
-    tokens = 220
-    with Client(stack.frontend, timeout=300) as client:
+    prompts = [hf_tokenizer.encode(" ".join(f"{p} Part {k}." for k in range(12))) for p in PROMPTS[:count]]
+    exact = stack.exact()
+    with Client(stack.frontend, timeout=600) as client:
         sessions = [client.open_session(sink=s, window=w) for s, w in shapes]
         for session, ids in zip(sessions, prompts, strict=True):
             session.append(token_ids=ids)
-        histories = [s.info(token_ids=True).token_ids for s in sessions]
         together: dict[int, list[int]] = {}
         threads = [
-            threading.Thread(target=lambda i=i: together.__setitem__(i, decode(sessions[i], tokens))) for i in range(8)
+            threading.Thread(target=lambda i=i: together.__setitem__(i, decode(sessions[i], tokens)))
+            for i in range(count)
         ]
         for t in threads:
             t.start()
@@ -75,11 +59,33 @@ def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(sta
                 session.append(token_ids=ids)
                 alone.append(decode(session, tokens))
     for i, (sink, window) in enumerate(shapes):
-        a, b = alone[i], together[i]
-        if a != b:
-            at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-            margin = logit_margin(histories[i] + a[:at], window, sink, a[at], b[at]) if at < min(len(a), len(b)) else 0
-            pytest.fail(f"session {i} parted from its run alone at token {at}, on a logit margin of {margin:.4f}")
+        near_tie(prompts[i], alone[i], together[i], exact, sink=sink, window=window)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
+    stack_factory, hf_tokenizer, near_tie, kernels
+):
+    """The default mode, on either kernel family: 8 sessions decode 160
+    tokens together as alone (exact where padding was cheap enough to keep,
+    else parting only at a near tie), and the worker says which it is."""
+    stack = stack_factory(workers=1, slabs=8, env=KERNELS[kernels])
+    compute = stack.stats().workers[0].compute
+    assert compute.mode == "default" and compute.blas.startswith("OpenBLAS")
+    if kernels == "haswell":  # rows depend on where they sit: only rows alone are invariant, far too dear
+        assert compute.blas == "OpenBLAS Haswell" and compute.rows_alone
+        assert not compute.exact and compute.pad_cost > 1.05
+    together_and_alone(stack, hf_tokenizer, near_tie, 8, 160)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stack_factory, hf_tokenizer, near_tie, kernels):
+    """--batch-invariant pads every pass whatever it costs: sessions decode
+    together exactly what they decode alone, bit for bit."""
+    stack = stack_factory(workers=1, slabs=3, worker_args=["--batch-invariant"], env=KERNELS[kernels])
+    compute = stack.stats().workers[0].compute
+    assert compute.mode == "batch-invariant" and compute.exact and (compute.floors or compute.rows_alone)
+    together_and_alone(stack, hf_tokenizer, near_tie, 3, 24)
 
 
 def test_a_session_keeps_streaming_while_another_appends_a_long_history(shared_stack, hf_tokenizer):

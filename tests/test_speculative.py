@@ -1,6 +1,8 @@
 """Speculative decoding (worker/speculative.py, docs/design.md "Speculative
 decoding"): drafts from the session's history or a draft model, verified in
-one pass, greedy output token for token what `speculative=off` gives."""
+one pass, greedy output token for token what `speculative=off` gives (on a
+worker whose passes are not exact, parting only at a near tie), on either
+BLAS kernel family."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import Stack, broker_stats, kvmux_command
+from conftest import KERNELS, Stack, broker_stats, kvmux_command
 
 from kvmux import protocol as p
 from kvmux.client import Client, errors
@@ -60,19 +62,22 @@ def reply(session, text: str, **options) -> tuple[list[int], p.GenerateResult]:
     return tokens, stream.result
 
 
-def parting(a: list[int], b: list[int]) -> str:
-    """Where two token lists part, for an assertion message."""
-    at = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
-    return f"parted at token {at} of {len(a)}/{len(b)}: {a[at : at + 3]} vs {b[at : at + 3]}"
+def context(session, tokens: list[int]) -> list[int]:
+    """The session's history before the reply `tokens` (what they continue)."""
+    history = session.info(token_ids=True).token_ids
+    end = next(e for e in range(len(history), len(tokens) - 1, -1) if history[e - len(tokens) : e] == tokens)
+    return history[: end - len(tokens)]
 
 
 def run_all(client: Client, prompts, window: int | None = None, **options):
-    """Every prompt in its own session, all at once (they share passes)."""
-    out: dict[int, tuple[list[int], p.GenerateResult]] = {}
+    """Every prompt in its own session, all at once (they share passes):
+    per prompt, the reply's tokens, its result and the history it continues."""
+    out: dict[int, tuple[list[int], p.GenerateResult, list[int]]] = {}
 
     def one(i: int, text: str, max_tokens: int) -> None:
         with client.open_session(**({"window": window} if window else {})) as session:
-            out[i] = reply(session, text, max_tokens=max_tokens, **options)
+            tokens, result = reply(session, text, max_tokens=max_tokens, **options)
+            out[i] = tokens, result, context(session, tokens)
 
     threads = [threading.Thread(target=one, args=(i, *prompt)) for i, prompt in enumerate(prompts)]
     for t in threads:
@@ -89,63 +94,82 @@ def spec_stack():
     stack.stop()
 
 
-def test_greedy_speculative_equals_off_on_twenty_prompts_in_mixed_batches(spec_stack):
+@pytest.fixture(scope="module")
+def haswell_stack():
+    stack = Stack(workers=1, slabs=10, env=KERNELS["haswell"])
+    yield stack
+    stack.stop()
+
+
+KERNEL_STACKS = {"native": "spec_stack", "haswell": "haswell_stack"}
+
+
+@pytest.mark.parametrize("kernels", KERNEL_STACKS)
+def test_greedy_speculative_equals_off_on_twenty_prompts_in_mixed_batches(request, near_tie, kernels):
     """20 prompts, short and long, ten sessions at a time sharing passes
     (speculating and plain ones together): `auto` gives the tokens `off`
-    gives, and drafts were made and taken on the edits."""
-    with Client(spec_stack.frontend, timeout=600) as client:
+    gives (or parts at a near tie), and drafts were made and taken on the edits."""
+    stack = request.getfixturevalue(KERNEL_STACKS[kernels])
+    exact = stack.exact()
+    with Client(stack.frontend, timeout=600) as client:
         plain = run_all(client, PROMPTS[:10], speculative="off") + run_all(client, PROMPTS[10:], speculative="off")
         spec = run_all(client, PROMPTS[:10]) + run_all(client, PROMPTS[10:])
-    for i, ((a, ra), (b, rb)) in enumerate(zip(plain, spec, strict=True)):
-        assert a == b, f"prompt {i}: {parting(a, b)}"
-        assert ra.stop_reason == rb.stop_reason and ra.completion_tokens == rb.completion_tokens == len(b)
+    for (a, ra, prompt), (b, rb, _) in zip(plain, spec, strict=True):
         assert ra.drafted_tokens == 0
+        if near_tie(prompt, a, b, exact) is None:
+            assert ra.stop_reason == rb.stop_reason and ra.completion_tokens == rb.completion_tokens == len(b)
     edits = spec[:10]
-    assert sum(r.accepted_tokens for _, r in edits) > sum(len(t) for t, _ in edits) // 3  # the edits drafted a lot
-    assert any(r.accepted_tokens < r.drafted_tokens for _, r in spec)  # and some drafts failed
-    assert sum(len(t) for t, _ in spec) > 1500  # hundreds of tokens per long generation
-    drafted = sum(r.drafted_tokens for _, r in spec)
+    assert sum(r.accepted_tokens for _, r, _ in edits) > sum(len(t) for t, _, _ in edits) // 3  # edits drafted a lot
+    assert any(r.accepted_tokens < r.drafted_tokens for _, r, _ in spec)  # and some drafts failed
+    assert sum(len(t) for t, _, _ in spec) > 1500  # hundreds of tokens per long generation
+    drafted = sum(r.drafted_tokens for _, r, _ in spec)
     deadline = time.monotonic() + 10  # the counts come with the worker's next heartbeat
-    while (worker := broker_stats(spec_stack.admin).workers[0]).drafted < drafted and time.monotonic() < deadline:
+    while (worker := broker_stats(stack.admin).workers[0]).drafted < drafted and time.monotonic() < deadline:
         time.sleep(0.2)
     assert worker.drafted >= drafted
     assert 0 < worker.accepted <= worker.drafted
 
 
-def test_speculation_past_the_window_wrap_equals_off(spec_stack):
+@pytest.mark.parametrize("kernels", KERNEL_STACKS)
+def test_speculation_past_the_window_wrap_equals_off(request, near_tie, kernels):
     """Sessions whose 64-token window wraps many times while they draft and
-    take back rejected drafts decode exactly what they decode plainly."""
+    take back rejected drafts decode what they decode plainly."""
+    stack = request.getfixturevalue(KERNEL_STACKS[kernels])
+    exact = stack.exact()
     prompts = [(text, 300) for text, _ in PROMPTS[:4]] + [(text, 200) for text, _ in PROMPTS[10:12]]
-    with Client(spec_stack.frontend, timeout=600) as client:
+    with Client(stack.frontend, timeout=600) as client:
         plain = run_all(client, prompts, window=64, speculative="off")
         spec = run_all(client, prompts, window=64, speculative="lookup")
-    for i, ((a, _), (b, rb)) in enumerate(zip(plain, spec, strict=True)):
-        assert a == b, f"prompt {i}: {parting(a, b)}"
+    for (a, _, prompt), (b, rb, _) in zip(plain, spec, strict=True):
+        near_tie(prompt, a, b, exact, window=64)
         assert rb.truncated_tokens > 0  # the window dropped tokens: the ring wrapped
-    assert sum(r.accepted_tokens for _, r in spec) > 0
+    assert sum(r.accepted_tokens for _, r, _ in spec) > 0
 
 
-def test_exact_edges_stop_string_and_max_tokens_inside_accepted_runs(spec_stack):
+def test_exact_edges_stop_string_and_max_tokens_inside_accepted_runs(spec_stack, near_tie):
     """A stop string inside an accepted run ends the reply there, and
     max_tokens is never passed, exactly as without speculation."""
     text = f"Repeat this passage exactly:\n\n{PASSAGE}"
+    exact = spec_stack.exact()
     with Client(spec_stack.frontend, timeout=300) as client:
         for options in ({"stop": ["clockwork"], "max_tokens": 200}, {"max_tokens": 37}, {"max_tokens": 1}):
             results = []
             for mode in ("off", "lookup"):
                 with client.open_session() as session:
                     tokens, result = reply(session, text, speculative=mode, **options)
+                    prompt = context(session, tokens)
                     follow, _ = reply(session, "Now say it again.", speculative="off", max_tokens=20)
-                    results.append((tokens, result, follow))
-            (a, ra, fa), (b, rb, fb) = results
-            assert a == b, f"{options}: {parting(a, b)}"
-            assert ra.stop_reason == rb.stop_reason
-            assert fa == fb  # the slab held exactly the tokens sent
+                    results.append((tokens, result, follow, prompt))
+            (a, ra, fa, prompt), (b, rb, fb, _) = results
+            if near_tie(prompt, a, b, exact) is None:
+                assert ra.stop_reason == rb.stop_reason
+                assert fa == fb  # the slab held exactly the tokens sent
         assert rb.completion_tokens == 1
 
 
-def test_cancel_mid_speculation_then_the_next_turn_equals_a_control_session(spec_stack):
+def test_cancel_mid_speculation_then_the_next_turn_equals_a_control_session(spec_stack, near_tie):
     text = f"Repeat this passage exactly:\n\n{PASSAGE}"
+    exact = spec_stack.exact()
     with (
         Client(spec_stack.frontend, timeout=300) as client,
         client.open_session() as cancelled,
@@ -160,10 +184,10 @@ def test_cancel_mid_speculation_then_the_next_turn_equals_a_control_session(spec
         assert stream.result.stop_reason == p.StopReason.CANCELLED
         assert stream.result.drafted_tokens > 0
         same, _ = reply(control, text, max_tokens=len(sent), speculative="off")
-        assert same == sent
-        a, _ = reply(cancelled, "Thank you. Now write one line about ships.", max_tokens=40)
-        b, _ = reply(control, "Thank you. Now write one line about ships.", max_tokens=40)
-        assert a == b, parting(a, b)
+        if near_tie(context(control, same), same, sent, exact) is None:
+            a, _ = reply(cancelled, "Thank you. Now write one line about ships.", max_tokens=40)
+            b, _ = reply(control, "Thank you. Now write one line about ships.", max_tokens=40)
+            near_tie(context(control, b), b, a, exact)
 
 
 def test_seeded_sampling_with_speculation_repeats(spec_stack):
@@ -189,7 +213,7 @@ def test_bad_speculative_options_are_typed_errors(spec_stack):
 
 
 def test_draft_models_give_off_s_tokens_and_a_different_one_gets_rejections(
-    stack_factory, model_path, hf_tokenizer, tmp_path
+    stack_factory, model_path, hf_tokenizer, tmp_path, near_tie
 ):
     """The embedded model as its own draft (its drafts stand), and a tiny
     random model with the same tokenizer (a draft that differs: its drafts
@@ -200,22 +224,23 @@ def test_draft_models_give_off_s_tokens_and_a_different_one_gets_rejections(
     hf_tokenizer.save_pretrained(tiny)
     _write_tiny_llama(tiny, len(hf_tokenizer))
     prompts = [(PROMPTS[i][0], 48) for i in (0, 2, 10, 12)]
-    results = {}
+    results, exact = {}, True
     for name, draft in (("self", model_path), ("tiny", tiny)):
         stack = stack_factory(workers=1, slabs=4, worker_args=["--draft-model", str(draft)])
+        exact &= stack.exact()
         with Client(stack.frontend, timeout=600) as client:
             if name == "self":
                 results["off"] = run_all(client, prompts, speculative="off")
             results[name] = run_all(client, prompts, speculative="draft")
         stack.stop()
     for name in ("self", "tiny"):
-        for i, ((a, _), (b, rb)) in enumerate(zip(results["off"], results[name], strict=True)):
-            assert a == b, f"{name} draft, prompt {i}: {parting(a, b)}"
+        for (a, _, prompt), (b, rb, _) in zip(results["off"], results[name], strict=True):
+            near_tie(prompt, a, b, exact)
             assert rb.drafted_tokens > 0
-    self_drafted = sum(r.drafted_tokens for _, r in results["self"])
-    self_accepted = sum(r.accepted_tokens for _, r in results["self"])
+    self_drafted = sum(r.drafted_tokens for _, r, _ in results["self"])
+    self_accepted = sum(r.accepted_tokens for _, r, _ in results["self"])
     assert self_accepted >= 0.9 * self_drafted  # the same weights propose what they verify
-    tiny_results = [r for _, r in results["tiny"]]
+    tiny_results = [r for _, r, _ in results["tiny"]]
     rejected = sum(r.drafted_tokens - r.accepted_tokens for r in tiny_results)
     assert rejected > 0  # a different draft gets rejected
     assert all(r.drafted_tokens < r.completion_tokens for r in tiny_results)  # and the sessions rest from it

@@ -13,8 +13,8 @@ a speculative verify pass (worker/slab.py).
   A row's scores, softmax and weighted sum are computed by the same calls
   with the same shapes whether it came alone or with k others (a matmul
   per row and KV head), so a verify pass gives each position the logits a
-  one-token step gives it, bit for bit: speculative decoding is exact by
-  construction (docs/design.md, "Speculative decoding").
+  one-token step gives it, bit for bit where the projections are padded
+  too (worker/padding.py; docs/design.md, "Speculative decoding").
 - A prefill chunk: its queries attend over two blocks, the slab as it
   stands (slots in ring order, masked by the position each slot holds) and
   the new keys (causal); the new keys are written into the ring after. The

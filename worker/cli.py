@@ -45,6 +45,12 @@ def worker(
     draft_quantized: bool = typer.Option(
         False, help="Keep the draft model's weights quantized (on a CPU they are otherwise dequantized)."
     ),
+    batch_invariant: bool = typer.Option(
+        False,
+        "--batch-invariant",
+        help="Pad every pass so a session's tokens are bit-identical whatever shares its pass, at whatever it"
+        " costs on these kernels (default: pad only where a decode step pays at most 5 % for it).",
+    ),
     server_key: str | None = typer.Option(
         None,
         envvar="KVMUX_SERVER_KEY",
@@ -82,6 +88,7 @@ def worker(
         chat_template=chat_template,
         draft_model=draft_model,
         draft_quantized=draft_quantized,
+        batch_invariant=batch_invariant,
     )
     code = Worker(config).run()
     if code:

@@ -15,7 +15,6 @@ once and a cancelled or finished generation leaves slab and logits in step.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from kvmux.protocol import (
     StopReason,
 )
 
-from . import forward
+from . import forward, padding
 from .conversation import Conversation
 from .drafter import DraftCache, Drafter
 from .lookup import SEPARATOR, Lookup
@@ -144,10 +143,12 @@ class Engine:
         max_append_tokens: int = DEFAULT_MAX_APPEND_TOKENS,
         draft: LoadedModel | None = None,
         most_rows: int = 4 * (MAX_DRAFT + 1) + PREFILL_CHUNK,
+        batch_invariant: bool = False,
     ):
         """`draft`: a draft model (its tokenizer already checked against the
         verifier's); `most_rows`: the most tokens one pass runs (slabs times
-        a verify pass, plus a prefill chunk), for the row calibration."""
+        a verify pass, plus a prefill chunk), for the row calibration;
+        `batch_invariant`: pad passes whatever it costs (worker/padding.py)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -158,10 +159,14 @@ class Engine:
         self.max_append_tokens = max_append_tokens
         self.eos = set(self.tokenizer.eos_token_ids)
         self.shared_passes = forward.supported(self.model)  # sessions share forward passes
-        # Speculative decoding needs the row-invariant pass (worker/forward.py).
+        # Speculative decoding verifies drafts in a pass of decode rows (worker/forward.py).
         self.speculative = self.shared_passes
-        self.floors = forward.calibrate(self.model, most_rows) if self.shared_passes else forward.Floors()
-        log.info("rows_calibrated", most_rows=most_rows, **dataclasses.asdict(self.floors))
+        self.padding = (
+            padding.decide(self.model, most_rows, batch_invariant, lambda: self.make_slab(max_sink, padding.HISTORY))
+            if self.shared_passes
+            else None
+        )
+        self.floors = self.padding.floors if self.padding else forward.Floors()
         self.drafter = Drafter(draft) if draft and self.speculative else None
         self.recent = Lookup(bound=RECENT_TOKENS)  # replies of every session, for greedy lookups
         self.drafted = self.accepted = 0  # over the worker's life, for stats

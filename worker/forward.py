@@ -9,15 +9,15 @@ session on its own slab (worker/attention.py), so slabs stay separate and
 sessions of any length, sink and window share a pass, a prefill chunk
 included.
 
-Decode rows are row-invariant: a row's logits do not depend on what else
-is in the pass. Attention makes them so by construction. The projections
-are matmuls, and BLAS picks its kernel by the matrix's shape: OpenBLAS sums
-a row of a 1-row product in another order than the same row of a 7-row one
-(for some shapes, not others). `calibrate` finds, per projection, the
-fewest rows from which every row count gives identical rows, and a pass
-pads that projection's rows up to its floor (a lone session's plain decode
-step pays 5-10 % for it: docs/design.md). Greedy speculative decoding, batched decoding and a session alone
-then give the same tokens (docs/design.md, "Speculative decoding").
+Decode rows can be row-invariant: a row's logits need not depend on what
+else is in the pass. Attention makes them so by construction. The
+projections are matmuls, and BLAS picks its kernel by the matrix's shape:
+OpenBLAS sums a row of a 1-row product in another order than the same row
+of a 7-row one (AVX-512 kernels, some shapes), or by where the row sits
+(AVX2 kernels). `calibrate` finds, per projection, the fewest rows from
+which every row count gives identical rows, and a pass given those
+`Floors` pads each projection's rows to its floor; worker/padding.py
+decides whether a worker does (docs/design.md, "Batch invariance").
 
 Written against mlx-lm's llama, qwen2, qwen3 and gemma3_text modules
 (`supported`): the same block with q/k norms where the model has them, and
@@ -56,7 +56,9 @@ class Segment:
 
 @dataclass
 class Floors:
-    """Rows each projection is padded to (see `calibrate`)."""
+    """Rows each projection is padded to (see `calibrate`); `rows_alone`:
+    the kernels' rows depend on where they sit in a product, which no
+    padding mends, so decode rows run their products one row at a time."""
 
     q: int = 1
     k: int = 1
@@ -66,6 +68,7 @@ class Floors:
     up: int = 1
     down: int = 1
     head: int = 1
+    rows_alone: bool = False
 
 
 _MODELS = (llama.Model, qwen2.Model, qwen3.Model, gemma3_text.Model)
@@ -81,8 +84,13 @@ def _gemma(model: nn.Module) -> bool:
     return type(model) is gemma3_text.Model
 
 
-def _padded(f: Callable[[mx.array], mx.array], x: mx.array, floor: int) -> mx.array:
-    """f over x's rows (axis 1), run on at least `floor` rows."""
+Runs = list[tuple[int, int]] | None  # a pass's rows as products of their own (None: one product)
+
+
+def _padded(f: Callable[[mx.array], mx.array], x: mx.array, floor: int, runs: Runs = None) -> mx.array:
+    """f over x's rows (axis 1), run on at least `floor` rows, or run by run."""
+    if runs is not None:
+        return mx.concatenate([f(x[:, start:end]) for start, end in runs], axis=1)
     rows = x.shape[1]
     if rows >= floor:
         return f(x)
@@ -90,16 +98,17 @@ def _padded(f: Callable[[mx.array], mx.array], x: mx.array, floor: int) -> mx.ar
     return f(mx.concatenate([x, pad], axis=1))[:, :rows]
 
 
-def _floor(f: Callable[[mx.array], mx.array], width: int, counts: list[int]) -> int:
+def _floor(f: Callable[[mx.array], mx.array], width: int, counts: list[int]) -> int | None:
     """The fewest rows from which `f` gives every row the same bits for
-    every row count in `counts`, wherever the row sits."""
+    every row count in `counts`, wherever the row sits; None where a row's
+    bits depend on where it sits (no row count mends that)."""
     most = max(counts)
     x = mx.random.normal((1, most, width), key=mx.random.key(most + width))
     whole = f(x)
     shifted = f(mx.roll(x, 3, axis=1))
     mx.eval(whole, shifted)
     if not mx.array_equal(shifted, mx.roll(whole, 3, axis=1)).item():
-        return most + 1  # rows depend on where they sit: pad every pass to beyond any count we use
+        return None
     floor = 1
     for n in counts:
         if not mx.array_equal(f(x[:, :n]), whole[:, :n]).item():
@@ -119,7 +128,10 @@ def calibrate(model: nn.Module, most_rows: int) -> Floors:
     linears = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
     linears |= {"gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
     floors = {name: _floor(linear, _width(linear), counts) for name, linear in linears.items()}
-    return Floors(**floors, head=_floor(partial(_head, model), model.args.hidden_size, head_counts))
+    floors["head"] = _floor(partial(_head, model), model.args.hidden_size, head_counts)
+    if None in floors.values():
+        return Floors(rows_alone=True)
+    return Floors(**floors)
 
 
 def _width(linear: nn.Module) -> int:
@@ -142,18 +154,34 @@ def _embed(model: nn.Module, tokens: mx.array) -> mx.array:
     return h
 
 
-def _mlp(model: nn.Module, layer: nn.Module, h: mx.array, floors: Floors) -> mx.array:
+def _mlp(model: nn.Module, layer: nn.Module, h: mx.array, floors: Floors, runs: Runs) -> mx.array:
     """The residual stream after the layer's MLP, its projections padded one by one."""
     mlp = layer.mlp
     if _gemma(model):
         x = layer.pre_feedforward_layernorm(h)
-        gated = nn.gelu_approx(_padded(mlp.gate_proj, x, floors.gate)) * _padded(mlp.up_proj, x, floors.up)
+        gate, up = _padded(mlp.gate_proj, x, floors.gate, runs), _padded(mlp.up_proj, x, floors.up, runs)
         return gemma3_text.clip_residual(
-            h, layer.post_feedforward_layernorm(_padded(mlp.down_proj, gated, floors.down))
+            h, layer.post_feedforward_layernorm(_padded(mlp.down_proj, nn.gelu_approx(gate) * up, floors.down, runs))
         )
     x = layer.post_attention_layernorm(h)
-    gated = swiglu(_padded(mlp.gate_proj, x, floors.gate), _padded(mlp.up_proj, x, floors.up))
-    return h + _padded(mlp.down_proj, gated, floors.down)
+    gated = swiglu(_padded(mlp.gate_proj, x, floors.gate, runs), _padded(mlp.up_proj, x, floors.up, runs))
+    return h + _padded(mlp.down_proj, gated, floors.down, runs)
+
+
+def _runs(segments: list[Segment], lengths: list[int]) -> list[tuple[int, int]]:
+    """A pass's rows as products of their own where rows depend on where
+    they sit: each decode row alone (as a lone decode step's), prefill
+    chunks together (their rows are compared with nothing)."""
+    runs, at = [], 0
+    for s, n in zip(segments, lengths, strict=True):
+        if s.rows or n == 1:
+            runs += [(i, i + 1) for i in range(at, at + n)]
+        elif runs and runs[-1][1] == at and runs[-1][1] - runs[-1][0] > 1:
+            runs[-1] = (runs[-1][0], at + n)
+        else:
+            runs.append((at, at + n))
+        at += n
+    return runs
 
 
 def _plan(cache: SlabCache, segment: Segment, n: int):
@@ -178,12 +206,13 @@ def forward(model: nn.Module, segments: list[Segment], floors: Floors) -> list[m
             if (cache.keep, cache.max_size) not in kinds:
                 kinds[cache.keep, cache.max_size] = _plan(cache, s, n)
     gemma = _gemma(model)
+    runs = _runs(segments, lengths) if floors.rows_alone else None
     for index, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = _padded(attn.q_proj, x, floors.q).reshape(total, attn.n_heads, 1, -1)
-        k = _padded(attn.k_proj, x, floors.k).reshape(total, attn.n_kv_heads, 1, -1)
-        v = _padded(attn.v_proj, x, floors.v)
+        q = _padded(attn.q_proj, x, floors.q, runs).reshape(total, attn.n_heads, 1, -1)
+        k = _padded(attn.k_proj, x, floors.k, runs).reshape(total, attn.n_kv_heads, 1, -1)
+        v = _padded(attn.v_proj, x, floors.v, runs)
         if hasattr(attn, "q_norm"):  # qwen3, gemma3: over each head's vector
             q, k = attn.q_norm(q), attn.k_norm(k)
         # Queries scaled here, once for the pass (rope is linear), then
@@ -195,15 +224,16 @@ def forward(model: nn.Module, segments: list[Segment], floors: Floors) -> list[m
         for start, n, s, kinds in zip(starts, lengths, segments, plans, strict=True):
             cache = s.slab[index]
             here.append((start, n, cache, kinds[cache.keep, cache.max_size]))
-        out = _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads), floors.o)
+        out = _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads), floors.o, runs)
         h = gemma3_text.clip_residual(h, layer.post_attention_layernorm(out)) if gemma else h + out
-        h = _mlp(model, layer, h, floors)
+        h = _mlp(model, layer, h, floors, runs)
     wanted = [
         i
         for start, n, s in zip(starts, lengths, segments, strict=True)
         for i in (range(start, start + n) if s.rows else [start + n - 1])
     ]
-    logits = _padded(partial(_head, model), model.model.norm(h[:, mx.array(wanted)]), floors.head)[0]
+    alone = [(i, i + 1) for i in range(len(wanted))] if floors.rows_alone else None
+    logits = _padded(partial(_head, model), model.model.norm(h[:, mx.array(wanted)]), floors.head, alone)[0]
     out, at = [], 0
     for n, s in zip(lengths, segments, strict=True):
         count = n if s.rows else 1

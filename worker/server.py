@@ -49,6 +49,7 @@ class WorkerConfig:
     chat_template: str | None = None  # a Jinja file replacing the model's chat template
     draft_model: str | None = None  # a draft model for speculative decoding
     draft_quantized: bool = False  # keep the draft's quantized weights (smaller; slower on a CPU)
+    batch_invariant: bool = False  # pad passes whatever it costs (worker/padding.py)
 
 
 class Worker:
@@ -80,6 +81,7 @@ class Worker:
             from .drafter import check_tokenizers
             from .engine import PREFILL_CHUNK, Engine
             from .model import load
+            from .padding import compute_info
             from .scheduler import Scheduler
             from .slab import SlabPool
             from .speculative import MAX_DRAFT
@@ -99,6 +101,7 @@ class Worker:
                 max_append_tokens=self.config.max_append_tokens,
                 draft=draft,
                 most_rows=self.config.slabs * (MAX_DRAFT + 1) + PREFILL_CHUNK,
+                batch_invariant=self.config.batch_invariant,
             )
             store = Store(self.config.state_dir)
             scheduler = Scheduler(
@@ -115,6 +118,7 @@ class Worker:
                 host=socket.gethostname(),
                 free_slabs=self.config.slabs,
                 store=store_id(self.config.state_dir),
+                compute=compute_info(str(mx.default_device()), engine.padding),
             )
             pipe.send_multipart([control.LOADED, p.encode(ready)])
             scheduler.run()

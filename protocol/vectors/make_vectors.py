@@ -41,6 +41,7 @@ SCHEMAS: dict[str, type] = {
     "SessionSummary": p.SessionSummary,
     "Refused": p.Refused,
     "Endpoint": p.Endpoint,
+    "Compute": p.Compute,
     **{t.__name__: t for t in p.ReplyBody.__args__},
 }
 
@@ -355,6 +356,17 @@ CASES: list[tuple[str, Any]] = [
             ]
         ),
     ),
+    (
+        "compute_padded",
+        p.Compute(
+            device="Device(cpu, 0)",
+            blas="OpenBLAS SkylakeX",
+            mode="batch-invariant",
+            floors={"q": 3, "k": 7, "v": 7, "o": 3, "down": 2},
+            pad_cost=1.18,
+            calibrate_s=0.95,
+        ),
+    ),
     ("ack", p.Ack()),
     ("pong", p.Pong(time=1732212345.125)),
     (
@@ -375,7 +387,21 @@ CASES: list[tuple[str, Any]] = [
         p.BrokerStats(
             version=1,
             uptime_s=3600.5,
-            workers=[worker_stats(), worker_stats(worker_id="w-2", host="日本")],
+            workers=[
+                worker_stats(),
+                worker_stats(
+                    worker_id="w-2",
+                    host="日本",
+                    compute=p.Compute(
+                        device="Device(cpu, 0)",
+                        blas="OpenBLAS Haswell",
+                        exact=False,
+                        rows_alone=True,
+                        pad_cost=3.9,
+                        calibrate_s=1.25,
+                    ),
+                ),
+            ],
             sessions=3,
             in_flight=2,
             frames_forwarded=2**40,
@@ -515,7 +541,7 @@ def ts_schema() -> str:
         for f in info.fields:
             field = [f.encode_name, ts_type(f.type)]
             if not f.required:
-                field.append([] if f.default_factory is list else f.default)
+                field.append({list: [], dict: {}}.get(f.default_factory, f.default))
             fields.append(f"\n    {json.dumps(field)},")
         head = json.dumps({"tag": info.tag, "array": info.array_like})[:-1]
         tables[name] = f'{head}, "fields": [{"".join(fields)}{chr(10) + "  " if fields else ""}]}}'

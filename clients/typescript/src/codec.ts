@@ -110,6 +110,9 @@ function encodeValue(type: FieldType, value: unknown): Uint8Array {
 function isDefault(value: unknown, dflt: unknown): boolean {
   if (value === undefined) return true;
   if (Array.isArray(dflt)) return Array.isArray(value) && value.length === 0 && dflt.length === 0;
+  if (dflt !== null && typeof dflt === "object") {
+    return typeof value === "object" && value !== null && Object.keys(value).length === 0 && Object.keys(dflt).length === 0;
+  }
   if (dflt === null) return value === null;
   return value === dflt || (typeof value === "bigint" && Number(value) === dflt);
 }

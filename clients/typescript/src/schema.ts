@@ -101,6 +101,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["free_slabs", "int"],
     ["sessions", {"list": "str"}, []],
     ["store", "str", ""],
+    ["compute", {"struct": "Compute"}, null],
   ]},
   "WorkerHeartbeat": {"tag": null, "array": false, "fields": [
     ["free_slabs", "int"],
@@ -144,6 +145,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["last_seen_s", "float"],
     ["drafted", "int", 0],
     ["accepted", "int", 0],
+    ["compute", {"struct": "Compute"}, null],
   ]},
   "SessionSummary": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
@@ -164,6 +166,16 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["endpoint", "str"],
     ["protection", "str"],
     ["curve", "bool", false],
+  ]},
+  "Compute": {"tag": null, "array": false, "fields": [
+    ["device", "str"],
+    ["blas", "str", ""],
+    ["mode", "str", "default"],
+    ["exact", "bool", true],
+    ["floors", {"map": "int"}, {}],
+    ["rows_alone", "bool", false],
+    ["pad_cost", "float", 1.0],
+    ["calibrate_s", "float", 0.0],
   ]},
   "SessionOpened": {"tag": "opened", "array": false, "fields": [
     ["session_id", "str"],
@@ -336,6 +348,7 @@ export interface WorkerReady {
   freeSlabs: number;
   sessions?: string[];
   store?: string;
+  compute?: Compute;
 }
 
 export interface WorkerHeartbeat {
@@ -385,6 +398,7 @@ export interface WorkerStats {
   lastSeenS: number;
   drafted?: number;
   accepted?: number;
+  compute?: Compute;
 }
 
 export interface SessionSummary {
@@ -408,6 +422,17 @@ export interface Endpoint {
   endpoint: string;
   protection: string;
   curve?: boolean;
+}
+
+export interface Compute {
+  device: string;
+  blas?: string;
+  mode?: string;
+  exact?: boolean;
+  floors?: Record<string, number>;
+  rowsAlone?: boolean;
+  padCost?: number;
+  calibrateS?: number;
 }
 
 export interface SessionOpened {
