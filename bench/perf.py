@@ -45,6 +45,10 @@ from kvmux.client import Client
 from . import bare, hf, roundtrip, spawn, speculative
 from .report import ReportWriter, percentile, ratio_summary
 
+# Every part but `speculative` decodes a token per pass, as the bare model
+# does: repeats of one prompt would otherwise be drafted from the worker's
+# lookup of its last reply, and measure that instead of the engine.
+PLAIN = "off"
 STORY = "Write a long story about a dragon who learns to bake bread in a small mountain village."
 PASSAGE = (
     "The river rose in the spring and the village moved its boats up the bank. Children counted the "
@@ -80,7 +84,7 @@ class PerfConfig:
 def _stream_decode(session, max_tokens: int) -> dict:
     """Time one generate stream on the client: first chunk to last chunk."""
     stamps, tokens = [], []
-    stream = session.generate(max_tokens=max_tokens)
+    stream = session.generate(max_tokens=max_tokens, speculative=PLAIN)
     for chunk in stream:
         stamps.append(time.perf_counter())
         tokens.append(len(chunk.token_ids))
@@ -130,7 +134,7 @@ def _sessions_tps(client: Client, n: int, cfg: PerfConfig) -> float:
 
     def run(i: int) -> None:
         barrier.wait()
-        stream = sessions[i].generate(max_tokens=cfg.session_tokens)
+        stream = sessions[i].generate(max_tokens=cfg.session_tokens, speculative=PLAIN)
         for _ in stream:
             pass
         counts[i] = stream.result.completion_tokens
@@ -165,7 +169,7 @@ def sessions_throughput(client: Client, cfg: PerfConfig) -> dict:
 def _stream_gaps(session, stop: threading.Event, started: threading.Event) -> list[tuple[float, float]]:
     """(arrival, gap since the previous chunk) of one stream until `stop`."""
     arrivals = []
-    with session.generate(max_tokens=4000, temperature=0.0) as stream:
+    with session.generate(max_tokens=4000, temperature=0.0, speculative=PLAIN) as stream:
         for _chunk in stream:
             arrivals.append(time.perf_counter())
             started.set()
@@ -227,7 +231,7 @@ def engine_prefill_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig
     for _ in range(cfg.repeats):
         with client.open_session(sink=cfg.sink, window=len(prompt_ids) + cfg.decode_tokens + 8) as session:
             appended = session.append(token_ids=prompt_ids)
-            stream = session.generate(max_tokens=cfg.decode_tokens)
+            stream = session.generate(max_tokens=cfg.decode_tokens, speculative=PLAIN)
             for _ in stream:
                 pass
             result = stream.result

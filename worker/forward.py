@@ -16,8 +16,10 @@ OpenBLAS sums a row of a 1-row product in another order than the same row
 of a 7-row one (AVX-512 kernels, some shapes), or by where the row sits
 (AVX2 kernels). `calibrate` finds, per projection, the fewest rows from
 which every row count gives identical rows, and a pass given those
-`Floors` pads each projection's rows to its floor; worker/padding.py
-decides whether a worker does (docs/design.md, "Batch invariance").
+`Floors` pads each projection's rows to its floor; where no row count
+does (rows depend on where they sit), a pass given `rows_alone` runs each
+decode row's products alone. worker/padding.py decides whether a worker
+does either (docs/design.md, "Batch invariance").
 
 Written against mlx-lm's llama, qwen2, qwen3 and gemma3_text modules
 (`supported`): the same block with q/k norms where the model has them, and
