@@ -49,7 +49,9 @@ def run_each(bench: str, families: list[str], output: Path, config: dict) -> dic
             env["OPENBLAS_CORETYPE"] = FAMILIES[family]
         part = output.with_name(f"{output.stem}-{family}{output.suffix}")
         typer.echo(f"{bench}: kernels {family}", err=True)
-        done = subprocess.run([sys.executable, "-m", "kvmux.cli", *sys.argv[1:], "--output", str(part)], env=env)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvmux.commands.cli", *sys.argv[1:], "--output", str(part)], env=env
+        )
         if done.returncode:
             writer.doc["families"][family] = {"error": f"exit {done.returncode}"}
             writer.write("failed")

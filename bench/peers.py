@@ -208,7 +208,7 @@ def http_gateway(frontend: str) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "kvmux.cli", "http", "--endpoint", frontend, "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvmux.commands.cli", "http", "--endpoint", frontend, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -65,7 +65,7 @@ def daemon(
     else:
         frontend, backend = tcp_endpoint(), tcp_endpoint()
     admin = f"ipc://{tmp}/a.ipc"  # its own: the default one belongs to the user's daemon
-    cmd = [sys.executable, "-m", "kvmux.cli", "serve", "--frontend", frontend, "--backend", backend]
+    cmd = [sys.executable, "-m", "kvmux.commands.cli", "serve", "--frontend", frontend, "--backend", backend]
     cmd += ["--admin-endpoint", admin]
     cmd += ["--workers", str(workers), "--slabs", str(slabs), "--state-dir", str(tmp / "state")]
     cmd += (["--model", model] if model else []) + list(serve_args)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from kvmux.protocol import ErrorCode, OpenSession, OverloadReason, ProtocolError
 
 from .config import BrokerConfig
-from .registry import Registry, Session, Worker
+from .registry import Registry, SessionEntry, State, WorkerEntry
 
 _WAIT_SAMPLES = 4096  # queue waits kept for the p50/p99 in stats
 
@@ -88,7 +88,7 @@ class Admission:
         now: float,
         *,
         workers_starting: bool = False,
-    ) -> Worker | Pending | Refusal:
+    ) -> WorkerEntry | Pending | Refusal:
         """Admit on a worker, queue (returns `pending`, now queued) or refuse.
         `request` is the OPEN's body (None for a hibernated session's call);
         `workers_starting`: the daemon's own workers are not all up yet."""
@@ -104,7 +104,7 @@ class Admission:
             return worker
         if not registry.workers and workers_starting:
             wait, admission = self.cfg.worker_wait_s, "queue"
-        elif registry.idle_live(pending.store) or any(s.hibernating for s in registry.sessions.values()):
+        elif registry.idle_live(pending.store) or any(s.state is State.HIBERNATING for s in registry.sessions.values()):
             admission = "queue"  # a slab frees as soon as an idle session is hibernated
         if admission == "reject":
             if not registry.workers:
@@ -140,7 +140,7 @@ class Admission:
     def queued_for(self, owner: str) -> int:
         return sum(1 for p in self.queue if p.owner == owner and p.is_open)
 
-    def next_admitted(self, registry: Registry, now: float) -> tuple[Pending, Worker] | None:
+    def next_admitted(self, registry: Registry, now: float) -> tuple[Pending, WorkerEntry] | None:
         """Pop the queue's head if a slab is free for it."""
         if not self.queue:
             return None
@@ -174,7 +174,7 @@ class Admission:
         out, self.queue = list(self.queue), deque()
         return out
 
-    def idle(self, registry: Registry, now: float) -> list[Session]:
+    def idle(self, registry: Registry, now: float) -> list[SessionEntry]:
         """Sessions to close: idle past the idle timeout (when set) or past
         the session TTL, nothing running on them."""
         limits = [t for t in (self.cfg.idle_timeout_s, self.cfg.session_ttl_s) if t]
@@ -184,7 +184,10 @@ class Admission:
         return [
             s
             for s in registry.sessions.values()
-            if s.ending is None and s.in_flight == 0 and not s.hibernating and now - s.last_active > limit
+            if s.ending is None
+            and s.in_flight == 0
+            and s.state is not State.HIBERNATING
+            and now - s.last_active > limit
         ]
 
     def wait_percentiles(self) -> tuple[float, float]:

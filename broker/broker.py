@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -37,7 +36,6 @@ from kvmux.protocol import (
     Ack,
     BrokerStats,
     Cancel,
-    Close,
     Disconnect,
     Endpoint,
     Envelope,
@@ -55,15 +53,16 @@ from kvmux.protocol import (
     envelope,
     error_body,
 )
-from kvmux.store import Store, store_id
+from kvmux.sessions import LocalStore
 
 from . import auth, endpoints
-from .admission import Admission, Pending, Refusal, percentiles
+from .admission import Admission, Pending, Refusal
+from .client_frame import ClientFrame
 from .config import BrokerConfig
 from .heap import HeapTrimmer
-from .lifecycle import STORE_BYTES_EVERY_S, SessionLifecycle
+from .lifecycle import Lifecycle
 from .outbox import ADMIN, Outbox, Sent
-from .registry import Registry, Request, Session, Worker
+from .registry import Registry, Request, SessionEntry, State, WorkerEntry
 
 log = logs.get("broker")
 
@@ -73,25 +72,6 @@ _POLL_BACKLOG_MS = 5  # while some client's backlog waits to be flushed
 _SWEEP_S = 1.0  # how often expiry and idle hibernation look at every session
 _EMPTY_MAP = encode({})
 _STREAMING = (Op.APPEND, Op.GENERATE)
-_RESTORE_SAMPLES = 4096  # restore times kept for the p50/p99 in stats
-
-
-@dataclass(frozen=True)
-class ClientFrame:
-    """One request from a client, as every op handler receives it."""
-
-    route: bytes  # the client's routing id (outbox.ADMIN marks the admin socket's)
-    env: Envelope
-    env_raw: bytes  # forwarded untouched to the worker
-    body: bytes
-    now: float
-    key: str = ""  # the client's CURVE public key (z85); "" without CURVE
-    admin: bool = False  # on the admin endpoint, or an admin key
-
-    def owns(self, session: Session) -> bool:
-        """With CURVE a session answers only the key that opened it (and
-        admins); without, the endpoint's own access rules are the boundary."""
-        return not self.key or self.admin or session.owner == self.key
 
 
 Handler = Callable[["Broker", ClientFrame], None]
@@ -104,7 +84,7 @@ class _Drain:
     force: bool = False
 
 
-class Broker(SessionLifecycle):
+class Broker:
     def __init__(self, cfg: BrokerConfig, on_tick: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
         self.on_tick = on_tick  # watching local worker processes: False = give up
@@ -138,12 +118,9 @@ class Broker(SessionLifecycle):
         self._next_heartbeat = self._next_sweep = 0.0
         self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
         self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
-        self.store = Store(cfg.state_dir)
-        self.store_id = store_id(cfg.state_dir)
-        self.hibernations = self.restores = 0
-        self.restore_times: deque[float] = deque(maxlen=_RESTORE_SAMPLES)
-        self._store_bytes = (0, -STORE_BYTES_EVERY_S)  # (bytes, when summed)
-        self._load_store(time.monotonic())
+        self.store = LocalStore(cfg.state_dir)
+        self.lifecycle = Lifecycle(cfg, self.registry, self.admission, self.store, self)
+        self.lifecycle.load(time.monotonic())
 
     def _router(self, hwm: int, max_msg: int = -1) -> zmq.Socket:
         # Options before bind: set later they do not apply to accepted peers.
@@ -255,10 +232,10 @@ class Broker(SessionLifecycle):
         for session in self.admission.idle(self.registry, now) if sweep else ():
             self.admission.expired += 1
             log.info("session_expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
-            self._end_session(session, ErrorCode.SESSION_EXPIRED)
+            self.lifecycle.end(session, ErrorCode.SESSION_EXPIRED)
         while (admitted := self.admission.next_admitted(self.registry, now)) is not None:
             self._admit(*admitted)
-        self._hibernate(now, sweep)
+        self.lifecycle.hibernate(now, sweep, self.drain is not None)
         self.outbox.flush()
         if self.auth is not None and not self.auth.alive():
             log.error("zap_handler_died")  # libzmq refuses every CURVE peer now: let the service manager restart us
@@ -288,50 +265,50 @@ class Broker(SessionLifecycle):
         if len(frames) != 3:
             request_id, session_id = _salvage_ids(frames[1] if len(frames) > 1 else b"")
             why = f"expected [envelope, body], got {len(frames) - 1} parts"
-            return self._error(route, request_id, session_id, ErrorCode.MALFORMED_FRAME, why)
+            return self.error(route, request_id, session_id, ErrorCode.MALFORMED_FRAME, why)
         env_raw, body = frames[1], frames[2]
         if len(env_raw) + len(body) > self.cfg.max_frame_bytes:
             request_id, session_id = _salvage_ids(env_raw)
             why = f"frame of {len(env_raw) + len(body)} bytes exceeds {self.cfg.max_frame_bytes}"
-            return self._error(route, request_id, session_id, ErrorCode.FRAME_TOO_LARGE, why)
+            return self.error(route, request_id, session_id, ErrorCode.FRAME_TOO_LARGE, why)
         try:
             env = decode_envelope(env_raw)
         except ProtocolError as exc:
             request_id, session_id = _salvage_ids(env_raw)
-            return self._error(route, request_id, session_id, exc.code, exc.message)
+            return self.error(route, request_id, session_id, exc.code, exc.message)
         handler = self._handlers.get(env.op)
         if handler is None:
-            return self._error(route, env.request_id, env.session_id, ErrorCode.UNKNOWN_OP, f"unknown op {env.op!r}")
+            return self.error(route, env.request_id, env.session_id, ErrorCode.UNKNOWN_OP, f"unknown op {env.op!r}")
         try:
             handler(self, ClientFrame(route, env, env_raw, body, now, key, admin))
         except ProtocolError as exc:
-            self._error(route, env.request_id, env.session_id, exc.code, exc.message)
+            self.error(route, env.request_id, env.session_id, exc.code, exc.message)
 
     def _open(self, frame: ClientFrame) -> None:
         request = decode_body(Op.OPEN, frame.body)
         route, request_id = frame.route, frame.env.request_id
-        self._check_unique(route, request_id)
+        self.check_unique(route, request_id)
         if self.drain is not None:
             return self._refuse(route, request_id, OverloadReason.DRAINING, "the broker is draining")
         # The owner decides quota and (with CURVE) who may use the session;
         # the worker keeps it in the session's record.
         owner = frame.key or request.client_name or route.hex()
         body = encode(msgspec.structs.replace(request, client_name=owner))
-        self._place(Pending(route, request_id, body, owner, frame.now, frame.now), request, frame.now)
+        self.place(Pending(route, request_id, body, owner, frame.now, frame.now), request, frame.now)
 
-    def _place(self, pending: Pending, request, now: float) -> None:
+    def place(self, pending: Pending, request, now: float) -> None:
         """An OPEN, or a call on a hibernated session: onto a worker's free
         slab now, into the queue (a slab frees soon), or refused."""
         starting = self.cfg.workers > 0  # the daemon's own workers will register
         decision = self.admission.decide(self.registry, pending, request, now, workers_starting=starting)
         if isinstance(decision, Refusal):
             self._send_refusal(pending.route, pending.request_id, decision, pending.session_id)
-        elif isinstance(decision, Worker):
+        elif isinstance(decision, WorkerEntry):
             self._admit(pending, decision)
         else:
             log.debug("queued", request_id=pending.request_id, depth=len(self.admission.queue))
 
-    def _admit(self, pending: Pending, worker: Worker) -> None:
+    def _admit(self, pending: Pending, worker: WorkerEntry) -> None:
         if pending.is_open:
             session_id = uuid.uuid4().hex
             self.admission.admitted += 1
@@ -341,16 +318,16 @@ class Broker(SessionLifecycle):
         session = self.registry.sessions.get(pending.session_id)
         if session is None or session.ending is not None:
             why = f"session {pending.session_id} was closed while it waited for a slab"
-            return self._error(pending.route, pending.request_id, pending.session_id, ErrorCode.SESSION_NOT_FOUND, why)
+            return self.error(pending.route, pending.request_id, pending.session_id, ErrorCode.SESSION_NOT_FOUND, why)
         if session.worker is None:
             self.registry.place_session(session, worker)
         env = decode_envelope(pending.env_raw)
         self.registry.track(pending.route, pending.request_id, env.op, session.worker, session.session_id)
         self._to_worker(session.worker, pending.route, pending.env_raw, pending.body)
 
-    def _forward(self, frame: ClientFrame) -> None:
+    def forward(self, frame: ClientFrame) -> None:
         """APPEND, GENERATE, INFO, CLOSE, CREDIT: to the worker holding the
-        session's slab, untouched; for a hibernated session see _dormant."""
+        session's slab, untouched; for a hibernated session see Lifecycle.dormant."""
         env = frame.env
         session = self._session(frame)
         if self.drain is not None and env.op in _STREAMING:
@@ -359,13 +336,13 @@ class Broker(SessionLifecycle):
             )
         session.last_active = frame.now
         session.route = frame.route
-        if session.hibernating:  # it is on its way to the store: this waits for the answer
+        if session.state is State.HIBERNATING:  # it is on its way to the store: this waits for the answer
             session.held.append(frame)
             return
         if session.worker is None:
-            return self._dormant(frame, session)
+            return self.lifecycle.dormant(frame, session)
         if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
-            self._check_unique(frame.route, env.request_id)
+            self.check_unique(frame.route, env.request_id)
             self.registry.track(frame.route, env.request_id, env.op, session.worker, session.session_id)
         self._to_worker(session.worker, frame.route, frame.env_raw, frame.body)
 
@@ -378,24 +355,24 @@ class Broker(SessionLifecycle):
             queued = self.admission.remove(route, target)
             opening = self.registry.requests.get((route, target))
             if queued:
-                self._error(route, target, "", ErrorCode.CANCELLED, "open cancelled while queued")
-                return self._reply(route, env, Ack())
+                self.error(route, target, "", ErrorCode.CANCELLED, "open cancelled while queued")
+                return self.reply(route, env, Ack())
             if opening is not None and opening.op == Op.OPEN:
                 opening.cancel_on_open = True
-                return self._reply(route, env, Ack())
+                return self.reply(route, env, Ack())
         if not env.session_id:
             raise ProtocolError(
                 ErrorCode.INVALID_ARGUMENT, f"nothing to cancel: request {target} is not a queued or opening session"
             )
-        self._forward(frame)
+        self.forward(frame)
 
     def _stats(self, frame: ClientFrame) -> None:
         decode_body(Op.STATS, frame.body)
-        self._reply(frame.route, frame.env, self.stats(frame.now))
+        self.reply(frame.route, frame.env, self.stats(frame.now))
 
     def _ping(self, frame: ClientFrame) -> None:
         decode_body(Op.PING, frame.body)
-        self._reply(frame.route, frame.env, Pong(time=time.time()))
+        self.reply(frame.route, frame.env, Pong(time=time.time()))
 
     def _drain_op(self, frame: ClientFrame) -> None:
         if not frame.admin:
@@ -405,26 +382,32 @@ class Broker(SessionLifecycle):
         grace = decode_body(Op.DRAIN, frame.body).grace_s
         if grace is not None and grace < 0:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "grace_s must be >= 0")
-        self._reply(frame.route, frame.env, Ack())
+        self.reply(frame.route, frame.env, Ack())
         self._start_drain(self.cfg.drain_grace_s if grace is None else grace, frame.now)
+
+    def _resume(self, frame: ClientFrame) -> None:
+        self.lifecycle.resume(frame, self._session(frame))
+
+    def _list_sessions(self, frame: ClientFrame) -> None:
+        self.lifecycle.list_sessions(frame)
 
     # Every client op, by the handler that serves it.
     _handlers: ClassVar[dict[str, Handler]] = {
         Op.OPEN: _open,
-        Op.APPEND: _forward,
-        Op.GENERATE: _forward,
+        Op.APPEND: forward,
+        Op.GENERATE: forward,
         Op.CANCEL: _cancel,
-        Op.CREDIT: _forward,
-        Op.INFO: _forward,
-        Op.CLOSE: _forward,
+        Op.CREDIT: forward,
+        Op.INFO: forward,
+        Op.CLOSE: forward,
         Op.STATS: _stats,
         Op.PING: _ping,
         Op.DRAIN: _drain_op,
-        Op.RESUME: SessionLifecycle._resume,
-        Op.SESSIONS: SessionLifecycle._list_sessions,
+        Op.RESUME: _resume,
+        Op.SESSIONS: _list_sessions,
     }
 
-    def _session(self, frame: ClientFrame) -> Session:
+    def _session(self, frame: ClientFrame) -> SessionEntry:
         """The frame's session, if it exists and the caller may use it: to a
         key that does not own it, it does not exist (no oracle)."""
         session_id = frame.env.session_id
@@ -444,7 +427,7 @@ class Broker(SessionLifecycle):
             raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
         raise ProtocolError(gone.code, gone.why)
 
-    def _check_unique(self, route: bytes, request_id: int) -> None:
+    def check_unique(self, route: bytes, request_id: int) -> None:
         if (route, request_id) in self.registry.requests or self.admission.is_queued(route, request_id):
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"request id {request_id} is already in flight")
 
@@ -473,12 +456,12 @@ class Broker(SessionLifecycle):
                 self.registry.finish(req)
                 if route and not req.orphaned:
                     why = f"worker {worker.worker_id} sent an unreadable reply: {exc.message}"
-                    self._error(route, req.request_id, req.session_id, ErrorCode.INTERNAL, why)
+                    self.error(route, req.request_id, req.session_id, ErrorCode.INTERNAL, why)
 
     def _on_worker_op(
         self,
         identity: bytes,
-        worker: Worker | None,
+        worker: WorkerEntry | None,
         route: bytes,
         env: Envelope,
         env_raw: bytes,
@@ -499,22 +482,13 @@ class Broker(SessionLifecycle):
         elif env.op == Op.DISCONNECT:
             self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
         elif env.op == Op.RESTORED:
-            restored = decode_body(Op.RESTORED, body)
-            self.restores += 1
-            self.restore_times.append(restored.seconds)
-            log.info(
-                "session_restored",
-                session=restored.session_id,
-                worker=worker.worker_id,
-                seconds=round(restored.seconds, 4),
-                replayed_tokens=restored.replayed_tokens,
-            )
+            self.lifecycle.restored(decode_body(Op.RESTORED, body), worker)
         elif env.op in REPLY_OPS:
             self._on_reply(worker, route, env, env_raw, body, now)
         else:
             log.warning("unexpected_worker_op", worker=worker.worker_id, op=env.op)
 
-    def _on_ready(self, identity: bytes, known: Worker | None, body: bytes, now: float) -> None:
+    def _on_ready(self, identity: bytes, known: WorkerEntry | None, body: bytes, now: float) -> None:
         ready = decode_body(Op.READY, body)
         if known is not None:  # it registers anew: what it still holds, its READY says
             self._lose_worker(known, "re-registered")
@@ -526,7 +500,7 @@ class Broker(SessionLifecycle):
             return
         worker = self.registry.add_worker(identity, ready, now)
         for session_id in ready.sessions:
-            self._adopt(worker, session_id, now)
+            self.lifecycle.adopt(worker, session_id, now)
         log.info(
             "worker_ready",
             worker=worker.worker_id,
@@ -537,7 +511,9 @@ class Broker(SessionLifecycle):
             pid=ready.pid,
         )
 
-    def _on_reply(self, worker: Worker, route: bytes, env: Envelope, env_raw: bytes, body: bytes, now: float) -> None:
+    def _on_reply(
+        self, worker: WorkerEntry, route: bytes, env: Envelope, env_raw: bytes, body: bytes, now: float
+    ) -> None:
         req = self.registry.requests.get((route, env.request_id))
         if req is None or req.worker is not worker:
             # A late reply to a request already failed (its worker was lost
@@ -551,14 +527,14 @@ class Broker(SessionLifecycle):
         session = self.registry.sessions.get(req.session_id)
         if session is not None:
             session.last_active = now
-        if session is not None and session.restoring:
-            self._restored(session, env.op, body)
+        if session is not None and session.state is State.RESTORING:
+            self.lifecycle.first_answer(session, env.op, body)
         if req.op == Op.OPEN and final:
             env_raw, body = self._opened(req, env.op == Op.FINAL, env_raw, body, now)
         elif req.op == Op.CLOSE and final:
-            self._closed(req, env.op, body)
+            self.lifecycle.closed(req, env.op, body)
         elif req.op == Op.HIBERNATE and final:
-            self._hibernated(req, env.op, body, now)
+            self.lifecycle.hibernated(req, env.op, body)
         if route and not req.orphaned:
             if req.overrun:
                 if not final:
@@ -580,38 +556,23 @@ class Broker(SessionLifecycle):
         session = self.registry.add_session(req.session_id, req.worker, req.route, req.owner, now, opened)
         session.opened_at = time.time()
         if req.orphaned:
-            self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
+            self.lifecycle.end(session, ErrorCode.SESSION_NOT_FOUND)
         elif req.cancel_on_open:
-            self._end_session(session, ErrorCode.SESSION_NOT_FOUND)
+            self.lifecycle.end(session, ErrorCode.SESSION_NOT_FOUND)
             return envelope(Op.ERROR, req.request_id, req.session_id), error_body(
                 ErrorCode.CANCELLED, "open cancelled; the session was closed"
             )
         return env_raw, body
 
-    def _closed(self, req: Request, op: str, body: bytes) -> None:
-        session = self.registry.sessions.get(req.session_id)
-        if session is None:
-            return
-        if op == Op.ERROR and decode_reply(body).code is not ErrorCode.SESSION_NOT_FOUND:
-            session.closing = False  # not closed (a bad CLOSE body, say): the session stays
-            return
-        ending = session.ending
-        why = (
-            "closed by the broker: idle timeout or session TTL"
-            if ending is ErrorCode.SESSION_EXPIRED
-            else f"session {req.session_id} was closed"
-        )
-        self.registry.drop_session(req.session_id, ending, why)
-
-    def _lose_worker(self, worker: Worker, why: str) -> None:
+    def _lose_worker(self, worker: WorkerEntry, why: str) -> None:
         if self.registry.workers.get(worker.identity) is not worker:
             return
         sessions = len(worker.sessions)
-        lost = self.registry.remove_worker(worker, why, stored=worker.ready.store == self.store_id)
+        lost = self.registry.remove_worker(worker, why, stored=worker.ready.store == self.store.store_id)
         log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
         for req in lost:
             if req.route and not req.orphaned:
-                self._error(
+                self.error(
                     req.route,
                     req.request_id,
                     req.session_id,
@@ -621,22 +582,10 @@ class Broker(SessionLifecycle):
 
     # ------------------------------------------------- the broker's requests
 
-    def _own_request(self, worker: Worker, op: str, session_id: str, body) -> None:
+    def own_request(self, worker: WorkerEntry, op: str, session_id: str, body) -> None:
         request_id = next(self._own_ids)
         self.registry.track(b"", request_id, op, worker, session_id)
         self._to_worker(worker, b"", envelope(op, request_id, session_id), encode(body))
-
-    def _end_session(self, session: Session, why: ErrorCode) -> None:
-        """Close a session on the broker's own account (its record goes too).
-        A live one's worker cancels what runs on it first, then frees the slab."""
-        if session.ending is None:
-            session.ending = why
-        if session.worker is None:
-            self.store.delete(session.session_id)
-            self.registry.drop_session(session.session_id, why, f"session {session.session_id} ended ({why.value})")
-        elif not session.closing:
-            session.closing = True
-            self._own_request(session.worker, Op.CLOSE, session.session_id, Close())
 
     def _client_gone(self, route: bytes) -> None:
         """ROUTER_MANDATORY said the client vanished: cancel its running
@@ -648,13 +597,13 @@ class Broker(SessionLifecycle):
         for req in [r for r in self.registry.requests.values() if r.route == route and not r.orphaned]:
             req.orphaned = True
             if req.op in _STREAMING and req.session_id in self.registry.sessions:
-                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel(request_id=req.request_id))
+                self.own_request(req.worker, Op.CANCEL, req.session_id, Cancel(request_id=req.request_id))
                 cancelled += 1
         log.info("client_gone", client=route.hex(), cancelled=cancelled, queued=len(dropped))
 
     # --------------------------------------------------------------- sends
 
-    def _to_worker(self, worker: Worker, route: bytes, env_raw: bytes, body: bytes) -> None:
+    def _to_worker(self, worker: WorkerEntry, route: bytes, env_raw: bytes, body: bytes) -> None:
         sent = self.outbox.to_worker(worker.identity, route, env_raw, body)
         if sent is Sent.UNREACHABLE:
             self._lose_worker(worker, "unreachable")
@@ -681,12 +630,12 @@ class Broker(SessionLifecycle):
             if req.route == route and req.op == Op.GENERATE and not (req.overrun or req.orphaned):
                 req.overrun = True
                 log.warning("client_too_slow", client=route.hex(), request_id=req.request_id)
-                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel())
+                self.own_request(req.worker, Op.CANCEL, req.session_id, Cancel())
 
-    def _reply(self, route: bytes, env: Envelope, body: msgspec.Struct) -> None:
+    def reply(self, route: bytes, env: Envelope, body: msgspec.Struct) -> None:
         self._to_client(route, [envelope(Op.FINAL, env.request_id, env.session_id), encode(body)])
 
-    def _error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str, **extra) -> None:
+    def error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str, **extra) -> None:
         if code is not ErrorCode.OVERLOADED:
             log.info("error_reply", code=code.value, message=message, request_id=request_id)
         self._to_client(route, [envelope(Op.ERROR, request_id, session_id), error_body(code, message, **extra)])
@@ -698,7 +647,7 @@ class Broker(SessionLifecycle):
         self._send_refusal(route, request_id, self.admission.refuse(reason, message), session_id)
 
     def _send_refusal(self, route: bytes, request_id: int, refusal: Refusal, session_id: str = "") -> None:
-        self._error(
+        self.error(
             route,
             request_id,
             session_id,
@@ -742,7 +691,7 @@ class Broker(SessionLifecycle):
             drain.cancel_until = now + max(5.0, 5 * self.cfg.heartbeat_s)
             log.info("cancelling", running=len(running), sessions=len(self.registry.sessions))
             for req in running:
-                self._own_request(req.worker, Op.CANCEL, req.session_id, Cancel(request_id=req.request_id))
+                self.own_request(req.worker, Op.CANCEL, req.session_id, Cancel(request_id=req.request_id))
         if any(r.route for r in self.registry.requests.values()) and now < drain.cancel_until:
             return False
         # Whatever is still unanswered ends here, so no client waits on a
@@ -750,7 +699,7 @@ class Broker(SessionLifecycle):
         for req in list(self.registry.requests.values()):
             if req.route and not req.orphaned:
                 self.registry.finish(req)
-                self._error(
+                self.error(
                     req.route,
                     req.request_id,
                     req.session_id,
@@ -793,7 +742,7 @@ class Broker(SessionLifecycle):
         ]
         total = reg.slabs_total()
         live = sum(1 for s in reg.sessions.values() if s.worker is not None)
-        restore_p50, restore_p99 = percentiles(self.restore_times)
+        restore_p50, restore_p99 = self.lifecycle.restore_percentiles()
         return BrokerStats(
             version=PROTOCOL_VERSION,
             uptime_s=round(now - self.started, 3),
@@ -813,11 +762,11 @@ class Broker(SessionLifecycle):
             refused=[Refused(reason=r.value, count=n) for r, n in sorted(self.admission.refused.items())],
             sessions_live=live,
             sessions_hibernated=len(reg.sessions) - live,
-            hibernations=self.hibernations,
-            restores=self.restores,
+            hibernations=self.lifecycle.hibernations,
+            restores=self.lifecycle.restores,
             restore_p50_s=restore_p50,
             restore_p99_s=restore_p99,
-            store_bytes=self._store_size(now),
+            store_bytes=self.lifecycle.store_size(now),
             endpoints=self.endpoints,
         )
 

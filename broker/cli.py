@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import typer
 
 from kvmux import logs, paths
+from kvmux.settings import ConfigError, with_options
+
+from .config import SETTINGS, load
 
 keys_app = typer.Typer(help="CURVE key pairs for tcp endpoints.", no_args_is_help=True)
 
@@ -41,124 +45,22 @@ def keys_new(
     typer.echo(f"public key  {keys.public_key(public).decode()}\nwrote       {public}\nsecret      {secret} (0600)")
 
 
+@with_options(SETTINGS)
 def serve(
     config: Path | None = typer.Option(
         None, "--config", help="TOML file with any of the settings below (options given here win)."
     ),
-    frontend: str | None = typer.Option(None, help="Client endpoint to bind (default: ipc under the runtime dir)."),
-    backend: str | None = typer.Option(
-        None, help="Worker endpoint to bind, e.g. tcp://0.0.0.0:5556 for remote workers."
-    ),
-    workers: int | None = typer.Option(None, help="Local worker processes to start (0: broker only) (default: 1)."),
-    slabs: int | None = typer.Option(None, help="Slabs (live sessions) per local worker (default: 4)."),
-    model: str | None = typer.Option(
-        None, help="Model for local workers: GGUF file or mlx-lm directory (default: embedded SmolLM2)."
-    ),
-    chat_template: str | None = typer.Option(
-        None, help="Jinja chat template file for local workers, instead of the model's own (default: the model's)."
-    ),
-    draft_model: str | None = typer.Option(
-        None, help="Draft model for speculative decoding; its tokenizer must be the model's (default: none)."
-    ),
-    draft_quantized: bool = typer.Option(
-        False, "--draft-quantized", help="Keep the draft model's weights quantized (smaller; slower on a CPU)."
-    ),
-    batch_invariant: bool = typer.Option(
-        False,
-        "--batch-invariant",
-        help="Local workers pad every pass: bit-identical tokens whatever shares a pass, at whatever it costs"
-        " (default: pad only where it costs a decode step at most 5 %).",
-    ),
-    admission: str | None = typer.Option(
-        None, help="When every slab is busy running a request: reject | queue (default: reject)."
-    ),
-    queue_depth: int | None = typer.Option(None, help="Most opens waiting in the queue (default: 64)."),
-    queue_wait_s: float | None = typer.Option(None, help="Longest an open waits in the queue (default: 30)."),
-    client_quota: int | None = typer.Option(
-        None, help="Sessions (live and hibernated) per client identity, 0 = unlimited (default: 1000)."
-    ),
-    idle_timeout_s: float | None = typer.Option(None, help="Close sessions idle this long, 0 = never (default: 0)."),
-    state_dir: str | None = typer.Option(
-        None, help="Session store's dir (default: $XDG_STATE_HOME/kvmux or ~/.local/state/kvmux)."
-    ),
-    hibernate_after_s: float | None = typer.Option(
-        None, help="Hibernate sessions idle this long to the store, 0 = only when a slab is needed (default: 300)."
-    ),
-    max_sessions: int | None = typer.Option(None, help="Sessions kept, live and hibernated (default: 10000)."),
-    session_ttl_s: float | None = typer.Option(
-        None, help="Delete sessions idle this long, 0 = never (default: 604800, 7 days)."
-    ),
-    worker_wait_s: float | None = typer.Option(
-        None, help="While local workers start, how long opens wait for one (default: 60)."
-    ),
-    drain_grace_s: float | None = typer.Option(
-        None, help="On SIGTERM/drain, how long running generations may finish (default: 10)."
-    ),
-    heartbeat_s: float | None = typer.Option(None, help="Heartbeat interval with workers (default: 1)."),
-    max_frame_bytes: int | None = typer.Option(None, help="Largest client frame accepted (default: 8 MiB)."),
-    max_tokens_limit: int | None = typer.Option(
-        None, help="Local workers refuse max_tokens above this (invalid_argument) (default: 4096)."
-    ),
-    max_append_tokens: int | None = typer.Option(
-        None, help="Local workers refuse one append longer than this many tokens (default: 32768)."
-    ),
-    admin_endpoint: str | None = typer.Option(
-        None, help="Admin endpoint, ipc only: drain and every session (default: admin.ipc in the runtime dir)."
-    ),
-    curve_secret: str | None = typer.Option(
-        None, help="The broker's CURVE secret key file (`kvmux keys new`): CURVE on every tcp endpoint."
-    ),
-    client_keys: str | None = typer.Option(None, help="Directory of the public keys of clients allowed in."),
-    worker_keys: str | None = typer.Option(None, help="Directory of the public keys of remote workers allowed in."),
-    admin_keys: str | None = typer.Option(
-        None, help="Directory of the public keys allowed admin ops (drain) over tcp; they may also chat."
-    ),
-    insecure: bool = typer.Option(
-        False, "--insecure", help="Allow tcp beyond loopback without CURVE (anyone who reaches it may use it)."
-    ),
+    **settings: Any,
 ) -> None:
     """Run the broker, with --workers local worker processes."""
     from .broker import Broker
-    from .config import ConfigError, load
     from .endpoints import EndpointInUse
     from .local import LocalWorkers
 
     logs.configure()
     log = logs.get("broker")
     try:
-        cfg = load(
-            config,
-            frontend=frontend,
-            backend=backend,
-            workers=workers,
-            slabs=slabs,
-            model=model,
-            chat_template=chat_template,
-            draft_model=draft_model,
-            draft_quantized=draft_quantized or None,
-            batch_invariant=batch_invariant or None,
-            admission=admission,
-            queue_depth=queue_depth,
-            queue_wait_s=queue_wait_s,
-            client_quota=client_quota,
-            idle_timeout_s=idle_timeout_s,
-            state_dir=state_dir,
-            hibernate_after_s=hibernate_after_s,
-            max_sessions=max_sessions,
-            session_ttl_s=session_ttl_s,
-            worker_wait_s=worker_wait_s,
-            drain_grace_s=drain_grace_s,
-            heartbeat_s=heartbeat_s,
-            max_frame_bytes=max_frame_bytes,
-            max_tokens_limit=max_tokens_limit,
-            max_append_tokens=max_append_tokens,
-            admin_endpoint=admin_endpoint,
-            curve_secret=curve_secret,
-            client_keys=client_keys,
-            worker_keys=worker_keys,
-            admin_keys=admin_keys,
-            insecure=insecure or None,
-        )
+        cfg = load(config, **settings)
     except ConfigError as exc:
         typer.echo(f"kvmux serve: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -1,83 +1,129 @@
 """The daemon's settings: one msgspec Struct, filled from a TOML file
 (`kvmux serve --config kvmux.toml`, flat keys named like the fields) and then
 from command-line options, which win. msgspec checks every type and bound;
-`load` turns its complaint into a `ConfigError` that names the key."""
+`load` turns its complaint into a `ConfigError` that names the key.
+
+Each setting is declared once: those a worker takes in kvmux/settings.py's
+`WorkerSettings` (local workers get the broker's), the broker's own below.
+`kvmux serve`'s options and their help, and the table of settings in
+docs/operations.md (`python -m kvmux.broker.config docs/operations.md`
+rewrites it), are derived from them."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvmux import keys, paths
-from kvmux.protocol import (
-    DECODE_ERRORS,
-    DEFAULT_MAX_APPEND_TOKENS,
-    DEFAULT_MAX_FRAME_BYTES,
-    DEFAULT_MAX_TOKENS_LIMIT,
-    HEARTBEAT_INTERVAL_S,
-    HEARTBEAT_LIVENESS,
-)
-
-Positive = Annotated[float, msgspec.Meta(gt=0)]
-NonNegative = Annotated[float, msgspec.Meta(ge=0)]
-Count = Annotated[int, msgspec.Meta(ge=0)]
+from kvmux import keys, paths, settings
+from kvmux.protocol import DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_LIVENESS
+from kvmux.settings import AtLeastOne, Count, NonNegative, Positive, WorkerSettings, doc
 
 
-class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # sockets ("" = the default ipc endpoints under kvmux.paths.runtime_dir())
-    frontend: str = ""
-    backend: str = ""
-    admin_endpoint: str = ""  # ipc only: every frame arriving there is admin
-    # security (docs/operations.md, "Security"): CURVE on every tcp endpoint
-    curve_secret: str = ""  # the broker's NAME.key_secret; "" = no CURVE
-    client_keys: str = ""  # dirs of allowed public keys (NAME.key files)
-    worker_keys: str = ""
-    admin_keys: str = ""  # also allowed as clients; may DRAIN over tcp
-    insecure: bool = False  # allow tcp beyond loopback without CURVE
+class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
+    """WorkerSettings, which `kvmux serve` passes on to its local workers,
+    then the daemon's own."""
+
     # local workers started by `kvmux serve`
-    workers: Count = 1
-    slabs: Annotated[int, msgspec.Meta(ge=1)] = 4
-    model: str | None = None
-    chat_template: str | None = None  # a Jinja file replacing the model's chat template (worker --chat-template)
-    draft_model: str | None = None  # speculative decoding's draft model (worker --draft-model)
-    draft_quantized: bool = False  # keep its weights quantized
-    batch_invariant: bool = False  # local workers pad every pass (worker --batch-invariant)
-    worker_args: list[str] = []  # extra `kvmux worker` options, e.g. ["--window", "512"]
+    workers: Annotated[Count, doc("Local worker processes to start (0: broker only).")] = 1
+    worker_args: Annotated[
+        list[str], doc('Extra `kvmux worker` options for local workers, e.g. `["--window", "512"]`.')
+    ] = msgspec.field(default_factory=list)
+    # sockets
+    frontend: Annotated[
+        str, doc("Client endpoint to bind.", "$KVMUX_ENDPOINT, else frontend.ipc in the runtime dir")
+    ] = ""
+    backend: Annotated[
+        str,
+        doc(
+            "Worker endpoint to bind, e.g. tcp://0.0.0.0:5556 for remote workers.",
+            "$KVMUX_BACKEND, else backend.ipc in the runtime dir",
+        ),
+    ] = ""
+    admin_endpoint: Annotated[
+        str,
+        doc(
+            "Admin endpoint, ipc only: every frame arriving there is admin (drain, every session).",
+            "$KVMUX_ADMIN_ENDPOINT, else admin.ipc in the runtime dir",
+        ),
+    ] = ""
+    # security (docs/operations.md, "Security"): CURVE on every tcp endpoint
+    curve_secret: Annotated[
+        str,
+        doc("The broker's CURVE secret key file (`kvmux keys new`'s NAME.key_secret): CURVE on every tcp endpoint."),
+    ] = ""
+    client_keys: Annotated[
+        str, doc("Directory of the public keys (NAME.key files) of clients allowed in; re-read when it changes.")
+    ] = ""
+    worker_keys: Annotated[str, doc("Directory of the public keys of remote workers allowed in.")] = ""
+    admin_keys: Annotated[
+        str, doc("Directory of the public keys allowed admin ops (drain) over tcp; they may also chat.")
+    ] = ""
+    insecure: Annotated[bool, doc("Allow tcp beyond loopback without CURVE (anyone who reaches it may use it).")] = (
+        False
+    )
     # admission
-    admission: Literal["reject", "queue"] = "reject"
-    queue_depth: Count = 64  # most opens waiting at once
-    queue_wait_s: Positive = 30.0  # longest an open waits for a slab
-    client_quota: Count = 1000  # sessions (live and hibernated) per client identity; 0 = no quota
-    idle_timeout_s: NonNegative = 0.0  # close sessions idle this long; 0 = never
+    admission: Annotated[
+        Literal["reject", "queue"], doc("What an open gets when every slab is busy running a request.")
+    ] = "reject"
+    queue_depth: Annotated[Count, doc("Most opens waiting in the queue at once.")] = 64
+    queue_wait_s: Annotated[Positive, doc("Longest an open waits in the queue for a slab.")] = 30.0
+    client_quota: Annotated[
+        Count,
+        doc(
+            "Sessions (live and hibernated) per client identity: its CURVE key, else its client_name,"
+            " else its connection; 0: no quota."
+        ),
+    ] = 1000
+    idle_timeout_s: Annotated[NonNegative, doc("Close sessions idle this long; 0: never.")] = 0.0
     # durable sessions (docs/operations.md, "Session store")
-    state_dir: str = ""  # "" = kvmux.paths.state_dir()
-    hibernate_after_s: NonNegative = 300.0  # write idle sessions to the store, freeing their slab; 0 = only when needed
-    max_sessions: Annotated[int, msgspec.Meta(ge=1)] = 10_000  # live + hibernated
-    session_ttl_s: NonNegative = 7 * 24 * 3600.0  # delete sessions idle this long; 0 = never
-    worker_wait_s: Positive = 60.0  # while local workers start, how long opens wait for one
-    allow_session_override: bool = True  # OpenSession.admission / queue_wait_s honoured
-    retry_after_s: Positive = 1.0  # the hint sent with `overloaded`
+    hibernate_after_s: Annotated[
+        NonNegative,
+        doc("Write sessions idle this long to the store, freeing their slab; 0: only when a slab is needed."),
+    ] = 300.0
+    max_sessions: Annotated[
+        AtLeastOne, doc("Sessions kept, live and hibernated; an open beyond gets `overloaded` (quota).")
+    ] = 10_000
+    session_ttl_s: Annotated[NonNegative, doc("Delete sessions idle this long (then `session_expired`); 0: never.")] = (
+        7 * 24 * 3600.0
+    )
+    worker_wait_s: Annotated[
+        Positive, doc("While the daemon's own workers start or restart, how long opens wait for one.")
+    ] = 60.0
+    allow_session_override: Annotated[bool, doc("Honour the admission and queue_wait_s an OpenSession asks for.")] = (
+        True
+    )
+    retry_after_s: Annotated[Positive, doc("The retry hint sent with `overloaded`.")] = 1.0
     # liveness and limits
-    heartbeat_s: Positive = HEARTBEAT_INTERVAL_S
-    heartbeat_liveness: Annotated[float, msgspec.Meta(ge=1)] = HEARTBEAT_LIVENESS
-    max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_FRAME_BYTES
-    max_tokens_limit: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_TOKENS_LIMIT  # local workers' cap on one reply
-    max_append_tokens: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_MAX_APPEND_TOKENS  # and on one append
-    drain_grace_s: NonNegative = 10.0  # running generations may finish within this
+    heartbeat_liveness: Annotated[
+        float, msgspec.Meta(ge=1), doc("Heartbeat intervals of silence after which a worker is dead.")
+    ] = HEARTBEAT_LIVENESS
+    max_frame_bytes: Annotated[
+        int, msgspec.Meta(ge=1024), doc("Largest client frame accepted (envelope + body), in bytes.")
+    ] = DEFAULT_MAX_FRAME_BYTES
+    drain_grace_s: Annotated[NonNegative, doc("On SIGTERM or drain, how long running generations may finish.")] = 10.0
     # ZeroMQ high-water marks (messages per peer) and the per-client backlog the
     # broker holds once a client's pipe is full (see docs/operations.md). The
     # marks bound what one peer can queue: at 10000 a hostile flood from
     # peers that then vanish grew the broker ~1 KB a frame (bench fuzz).
-    frontend_hwm: Annotated[int, msgspec.Meta(ge=1)] = 1000
-    backend_hwm: Annotated[int, msgspec.Meta(ge=1)] = 1000
-    client_backlog: Annotated[int, msgspec.Meta(ge=1)] = 256
+    frontend_hwm: Annotated[
+        AtLeastOne,
+        doc(
+            "ZeroMQ high-water mark of the client socket, messages per peer: what one peer may queue (libzmq keeps"
+            " the queue of a peer that vanished, so a larger mark lets a flood grow the broker)."
+        ),
+    ] = 1000
+    backend_hwm: Annotated[AtLeastOne, doc("The same for the worker socket.")] = 1000
+    client_backlog: Annotated[
+        AtLeastOne, doc('Frames held for a client whose pipe is full (docs/operations.md, "Flow control").')
+    ] = 256
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.admission == "queue" and self.queue_depth == 0:
             raise ValueError("admission = 'queue' needs queue_depth >= 1")
-        self.state_dir = self.state_dir or str(paths.state_dir())
         self.frontend = self.frontend or paths.default_frontend()
         self.backend = self.backend or paths.default_backend()
         self.admin_endpoint = self.admin_endpoint or paths.default_admin()
@@ -111,40 +157,13 @@ class BrokerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return bool(self.curve_secret)
 
 
-class ConfigError(ValueError):
-    """A config file or option the daemon cannot run with; the message says which."""
-
-
 def load(path: Path | None = None, **overrides: Any) -> BrokerConfig:
-    """Read `path` (TOML) if given, apply the non-None `overrides`, validate."""
-    raw: dict[str, Any] = {}
-    where = "command line"
-    if path is not None:
-        where = str(path)
-        try:
-            raw = msgspec.toml.decode(Path(path).read_bytes())
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-        except DECODE_ERRORS as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    raw.update({key: value for key, value in overrides.items() if value is not None})
-    try:
-        return msgspec.convert(raw, BrokerConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}: {_explain(exc)}") from None
+    """The daemon's settings: `path`'s (TOML) if given, then the non-None `overrides`."""
+    return settings.load(BrokerConfig, path, **overrides)
 
 
-def _explain(exc: msgspec.ValidationError) -> str:
-    # msgspec says "Expected `int` >= 1, got `0` - at `$.slabs`"; name the key plainly.
-    text = str(exc)
-    if " - at `$." not in text:
-        return text
-    message, _, key = text.rpartition(" - at `$.")
-    key = key.rstrip("`")
-    choices = get_args(_FIELD_TYPES.get(key)) if get_origin(_FIELD_TYPES.get(key)) is Literal else ()
-    if choices:
-        message += f" (choose one of: {', '.join(choices)})"
-    return f"{key}: {message}"
+SETTINGS = settings.declared(BrokerConfig)
+TABLE = settings.Table("kvmux.broker.config", SETTINGS)
 
-
-_FIELD_TYPES = {field.name: field.type for field in msgspec.structs.fields(BrokerConfig)}
+if __name__ == "__main__":
+    TABLE.main(sys.argv)

@@ -1,16 +1,21 @@
 """The broker's side of durable sessions: the store loaded at start, idle
 sessions hibernated when a slab is wanted (or after `hibernate_after_s`),
 a worker's kept sessions adopted when it registers, restores followed to
-their first answer, and what the broker answers for a hibernated session
-from its record (INFO, CLOSE, RESUME, SESSIONS) without waking it.
+their first answer, sessions the broker ends, and what the broker answers
+for a hibernated session from its record (INFO, CLOSE, RESUME, SESSIONS)
+without waking it.
 
-A mixin of `Broker`: it works on the broker's registry, store and sends.
+`Lifecycle` is held by the broker: it changes sessions' states through the
+registry (broker/registry.py: `State`), reads and deletes records through
+the store (kvmux/sessions), and sends through the few broker operations
+named in `Sends`. No MLX.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import Protocol
 
 import msgspec
 
@@ -23,39 +28,74 @@ from kvmux.protocol import (
     Hibernate,
     Op,
     ProtocolError,
+    Restored,
+    SessionInfo,
     SessionList,
+    SessionOpened,
     SessionSummary,
     decode_body,
     decode_reply,
 )
-from kvmux.store import RecordHead, StoreError, is_session_id
+from kvmux.sessions import RecordHead, SessionRecord, SessionStore, StoreError, is_session_id
 
-from . import stored
-from .admission import Pending
-from .registry import Request, Session, Worker
-
-if TYPE_CHECKING:
-    from .broker import ClientFrame
+from .admission import Admission, Pending, percentiles
+from .client_frame import ClientFrame
+from .config import BrokerConfig
+from .registry import Registry, Request, SessionEntry, State, WorkerEntry
 
 log = logs.get("broker")
 
-STORE_BYTES_EVERY_S = 10.0  # summing the store's file sizes is not free
+STORE_BYTES_EVERY_S = 10.0  # summing the store's sizes is not free
+_RESTORE_SAMPLES = 4096  # restore times kept for the p50/p99 in stats
 
 
-class SessionLifecycle:
-    def _load_store(self, now: float) -> None:
-        """Every session the store holds, hibernated until a worker holds it."""
-        heads, corrupt = stored.scan(self.store)
-        for head in heads:
-            last = stored.idle_since(head.updated, now)
-            session = self.registry.add_session(head.session_id, None, b"", head.owner, last, stored.opened_from(head))
+class Sends(Protocol):
+    """What the lifecycle asks of the broker: answers, requests of its own
+    to workers, and placing a call on a slab."""
+
+    def reply(self, route: bytes, env, body: msgspec.Struct) -> None: ...
+    def error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str) -> None: ...
+    def own_request(self, worker: WorkerEntry, op: str, session_id: str, body: msgspec.Struct) -> None: ...
+    def place(self, pending: Pending, request, now: float) -> None: ...
+    def forward(self, frame: ClientFrame) -> None: ...
+    def check_unique(self, route: bytes, request_id: int) -> None: ...
+
+
+class Lifecycle:
+    def __init__(
+        self, cfg: BrokerConfig, registry: Registry, admission: Admission, store: SessionStore, sends: Sends
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.admission = admission
+        self.store = store
+        self.sends = sends
+        self.hibernations = self.restores = 0
+        self.restore_times: deque[float] = deque(maxlen=_RESTORE_SAMPLES)
+        self._store_bytes = (0, -STORE_BYTES_EVERY_S)  # (bytes, when summed)
+
+    def load(self, now: float) -> None:
+        """Every session the store holds, hibernated until a worker holds it;
+        those whose record is unreadable answer `session_corrupt`."""
+        count = corrupt = 0
+        for session_id in self.store.session_ids():
+            try:
+                head = self.store.head(session_id)
+            except StoreError as exc:
+                why = f"session {session_id} is corrupt: {exc}"
+                self.registry.drop_session(session_id, ErrorCode.SESSION_CORRUPT, why)
+                log.warning("session_corrupt", session=session_id, why=str(exc))
+                corrupt += 1
+                continue
+            last = now - max(0.0, time.time() - head.updated)  # its wall-clock time on our monotonic clock
+            session = self.registry.add_session(head.session_id, None, b"", head.owner, last, _opened_from(head))
             session.opened_at = head.created
-        for session_id, why in corrupt.items():
-            self.registry.drop_session(session_id, ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: {why}")
-            log.warning("session_corrupt", session=session_id, why=why)
-        log.info("store_loaded", path=str(self.store.root), sessions=len(heads), corrupt=len(corrupt))
+            count += 1
+        log.info("store_loaded", store=self.store.store_id, sessions=count, corrupt=corrupt)
 
-    def _dormant(self, frame: ClientFrame, session: Session) -> None:
+    # ----------------------------------------------- calls on a hibernated one
+
+    def dormant(self, frame: ClientFrame, session: SessionEntry) -> None:
         """A call on a hibernated session: INFO and CLOSE are answered from
         the store; APPEND and GENERATE wait for a slab to restore it in."""
         env, route = frame.env, frame.route
@@ -68,7 +108,7 @@ class SessionLifecycle:
                     ErrorCode.SESSION_CORRUPT, f"session {session.session_id} is corrupt: {exc}"
                 ) from None
             idle = frame.now - session.last_active
-            return self._reply(route, env, stored.info(record, self._slab_bytes(record), idle, token_ids))
+            return self.sends.reply(route, env, _info(record, self._slab_bytes(record), idle, token_ids))
         if env.op == Op.CLOSE:
             decode_body(Op.CLOSE, frame.body)
             self.store.delete(session.session_id)
@@ -76,17 +116,17 @@ class SessionLifecycle:
                 session.session_id, ErrorCode.SESSION_NOT_FOUND, f"session {session.session_id} was closed"
             )
             log.info("session_closed", session=session.session_id, state="hibernated")
-            return self._reply(route, env, Closed(session_id=session.session_id))
+            return self.sends.reply(route, env, Closed(session_id=session.session_id))
         if env.op == Op.CANCEL:
-            return self._reply(route, env, Ack())  # nothing runs on it
+            return self.sends.reply(route, env, Ack())  # nothing runs on it
         if env.op == Op.CREDIT:
             return
-        self._check_unique(route, env.request_id)
+        self.sends.check_unique(route, env.request_id)
         pending = Pending(route, env.request_id, frame.body, session.owner, frame.now, frame.now)
-        pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, self.store_id
-        self._place(pending, None, frame.now)
+        pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, self.store.store_id
+        self.sends.place(pending, None, frame.now)
 
-    def _slab_bytes(self, record) -> int:
+    def _slab_bytes(self, record: SessionRecord) -> int:
         """slab_bytes of a hibernated session: as a worker with its model reports it."""
         for worker in self.registry.workers.values():
             if worker.ready.model == record.model and worker.ready.sink + worker.ready.max_window:
@@ -94,41 +134,38 @@ class SessionLifecycle:
                 return per_token * (record.sink + record.window)
         return 0
 
+    def resume(self, frame: ClientFrame, session: SessionEntry) -> None:
+        decode_body(Op.RESUME, frame.body)
+        worker_id = session.worker.worker_id if session.worker is not None else ""
+        self.sends.reply(frame.route, frame.env, msgspec.structs.replace(session.opened, worker_id=worker_id))
+
+    def list_sessions(self, frame: ClientFrame) -> None:
+        decode_body(Op.SESSIONS, frame.body)
+        rows = [
+            SessionSummary(
+                session_id=s.session_id,
+                state="live" if s.live else "hibernated",
+                owner=s.owner,
+                worker_id=s.worker.worker_id if s.worker is not None else "",
+                history_tokens=self._stored_tokens(s.session_id),
+                idle_s=round(frame.now - s.last_active, 3),
+                bytes_on_disk=self.store.bytes_stored(s.session_id),
+                created=s.opened_at,
+            )
+            for s in self.registry.sessions.values()
+            if s.ending is None and frame.owns(s)
+        ]
+        self.sends.reply(frame.route, frame.env, SessionList(sessions=rows))
+
     def _stored_tokens(self, session_id: str) -> int:
         try:
             return self.store.head(session_id).tokens
         except StoreError:
             return 0
 
-    def _resume(self, frame: ClientFrame) -> None:
-        decode_body(Op.RESUME, frame.body)
-        session = self._session(frame)
-        opened = session.opened
-        if session.worker is not None:
-            opened = msgspec.structs.replace(opened, worker_id=session.worker.worker_id)
-        else:
-            opened = msgspec.structs.replace(opened, worker_id="")
-        self._reply(frame.route, frame.env, opened)
+    # ----------------------------------------------------- workers' answers
 
-    def _list_sessions(self, frame: ClientFrame) -> None:
-        decode_body(Op.SESSIONS, frame.body)
-        rows = [
-            SessionSummary(
-                session_id=s.session_id,
-                state=s.state,
-                owner=s.owner,
-                worker_id=s.worker.worker_id if s.worker is not None else "",
-                history_tokens=self._stored_tokens(s.session_id),
-                idle_s=round(frame.now - s.last_active, 3),
-                bytes_on_disk=self.store.bytes_on_disk(s.session_id),
-                created=s.opened_at,
-            )
-            for s in self.registry.sessions.values()
-            if s.ending is None and frame.owns(s)
-        ]
-        self._reply(frame.route, frame.env, SessionList(sessions=rows))
-
-    def _adopt(self, worker: Worker, session_id: str, now: float) -> None:
+    def adopt(self, worker: WorkerEntry, session_id: str, now: float) -> None:
         """A session the worker kept (across our restart, or its
         re-registering): live there, unless another worker holds it already."""
         if not is_session_id(session_id):
@@ -138,25 +175,24 @@ class SessionLifecycle:
         if session is not None and session.worker is not None and session.worker is not worker:
             log.warning("session_claimed_twice", session=session_id, holder=session.worker.worker_id)
             worker.foreign += 1  # until the close below frees it
-            return self._own_request(worker, Op.CLOSE, session_id, Close(keep=True))
+            return self.sends.own_request(worker, Op.CLOSE, session_id, Close(keep=True))
         worker.foreign = max(0, worker.foreign - 1)  # READY counted it as taken
         if session is None:
             owner = ""
             try:
                 head = self.store.head(session_id)
-                owner, opened, created = head.owner, stored.opened_from(head), head.created
+                owner, opened, created = head.owner, _opened_from(head), head.created
             except StoreError:
-                opened, created = stored.opened_from(_unknown_head(session_id, worker)), time.time()
+                opened, created = _opened_from(_unknown_head(session_id, worker)), time.time()
             session = self.registry.add_session(session_id, worker, b"", owner, now, opened)
             session.opened_at = created
         else:
-            session.worker = worker
-            worker.sessions.add(session_id)
+            self.registry.adopted(session, worker)
 
-    def _restored(self, session: Session, op: str, body: bytes) -> None:
+    def first_answer(self, session: SessionEntry, op: str, body: bytes) -> None:
         """The first answer about a session placed for a restore: it is live,
         or its record failed it (then it is gone, with the worker's reason)."""
-        session.restoring = False
+        self.registry.stays_live(session)
         if op != Op.ERROR:
             return
         error = decode_reply(body)
@@ -164,11 +200,27 @@ class SessionLifecycle:
             log.warning("restore_failed", session=session.session_id, code=error.code.value, why=error.message)
             self.registry.drop_session(session.session_id, error.code, error.message)
 
-    def _hibernated(self, req: Request, op: str, body: bytes, now: float) -> None:
+    def restored(self, restored: Restored, worker: WorkerEntry) -> None:
+        """A worker's RESTORED: counted for stats."""
+        self.restores += 1
+        self.restore_times.append(restored.seconds)
+        log.info(
+            "session_restored",
+            session=restored.session_id,
+            worker=worker.worker_id,
+            seconds=round(restored.seconds, 4),
+            replayed_tokens=restored.replayed_tokens,
+        )
+
+    def restore_percentiles(self) -> tuple[float, float]:
+        return percentiles(self.restore_times)
+
+    def hibernated(self, req: Request, op: str, body: bytes) -> None:
+        """The answer to a HIBERNATE; then the calls that came meanwhile are
+        served as they would have been."""
         session = self.registry.sessions.get(req.session_id)
         if session is None:
             return
-        session.hibernating = False
         if op == Op.FINAL:
             reply = decode_reply(body)
             self.registry.hibernated(session)
@@ -178,45 +230,81 @@ class SessionLifecycle:
             )
         else:
             log.info("hibernate_refused", session=session.session_id, why=decode_reply(body).message)
+            if session.state is State.HIBERNATING:
+                self.registry.stays_live(session)
         held, session.held = session.held, []
-        for frame in held:  # calls that came meanwhile, now served as they would have been
-            self._on_held(frame, now)
+        for frame in held:
+            try:
+                self.sends.forward(frame)
+            except ProtocolError as exc:
+                self.sends.error(frame.route, frame.env.request_id, frame.env.session_id, exc.code, exc.message)
 
-    def _on_held(self, frame: ClientFrame, now: float) -> None:
-        try:
-            self._forward(frame)
-        except ProtocolError as exc:
-            self._error(frame.route, frame.env.request_id, frame.env.session_id, exc.code, exc.message)
+    def closed(self, req: Request, op: str, body: bytes) -> None:
+        """The answer to a CLOSE (the client's or the broker's own)."""
+        session = self.registry.sessions.get(req.session_id)
+        if session is None:
+            return
+        if op == Op.ERROR and decode_reply(body).code is not ErrorCode.SESSION_NOT_FOUND:
+            if session.state is State.CLOSING:  # not closed (a bad CLOSE body, say): the session stays
+                self.registry.stays_live(session)
+            return
+        ending = session.ending
+        why = (
+            "closed by the broker: idle timeout or session TTL"
+            if ending is ErrorCode.SESSION_EXPIRED
+            else f"session {req.session_id} was closed"
+        )
+        self.registry.drop_session(req.session_id, ending, why)
 
-    def _hibernate(self, now: float, sweep: bool) -> None:
+    # --------------------------------------------------- the broker's own acts
+
+    def end(self, session: SessionEntry, why: ErrorCode) -> None:
+        """Close a session on the broker's own account (its record goes too).
+        A live one's worker cancels what runs on it first, then frees the slab."""
+        if session.worker is None:
+            self.store.delete(session.session_id)
+            self.registry.drop_session(session.session_id, why, f"session {session.session_id} ended ({why.value})")
+        elif session.state is not State.CLOSING:
+            self.registry.closing(session, why)
+            self.sends.own_request(session.worker, Op.CLOSE, session.session_id, Close())
+
+    def hibernate(self, now: float, sweep: bool, draining: bool) -> None:
         """Free slabs for what waits in the queue, and hibernate sessions
-        idle past `hibernate_after_s` (on a `sweep` tick): least recently used first."""
+        idle past `hibernate_after_s` (on a `sweep` tick, not while
+        draining): least recently used first."""
         sessions = self.registry.sessions.values()
-        in_flight = sum(1 for s in sessions if s.hibernating)
+        in_flight = sum(1 for s in sessions if s.state is State.HIBERNATING)
         wanted = [p for p in self.admission.queue if self.registry.place(p.store) is None]
         if len(wanted) > in_flight and self.registry.workers:
             for session in self.registry.idle_live(wanted[0].store)[: len(wanted) - in_flight]:
                 self._send_hibernate(session)
         limit = self.cfg.hibernate_after_s
-        if sweep and limit and self.drain is None:
+        if sweep and limit and not draining:
             for session in self.registry.idle_live():
                 if now - session.last_active < limit:
                     break  # least recently used first: the rest are fresher
                 self._send_hibernate(session)
 
-    def _send_hibernate(self, session: Session) -> None:
-        session.hibernating = True
-        self._own_request(session.worker, Op.HIBERNATE, session.session_id, Hibernate())
+    def _send_hibernate(self, session: SessionEntry) -> None:
+        self.registry.hibernating(session)
+        self.sends.own_request(session.worker, Op.HIBERNATE, session.session_id, Hibernate())
 
-    def _store_size(self, now: float) -> int:
+    def store_size(self, now: float) -> int:
         size, when = self._store_bytes
         if now - when >= STORE_BYTES_EVERY_S:
-            size = sum(self.store.bytes_on_disk(session_id) for session_id in self.registry.sessions)
+            size = sum(self.store.bytes_stored(session_id) for session_id in self.registry.sessions)
             self._store_bytes = (size, now)
         return size
 
 
-def _unknown_head(session_id: str, worker: Worker) -> RecordHead:
+def _opened_from(head: RecordHead) -> SessionOpened:
+    """RESUME's answer for a session known only from the store."""
+    return SessionOpened(
+        session_id=head.session_id, worker_id="", model=head.model, sink=head.sink, window=head.window, slab_bytes=0
+    )
+
+
+def _unknown_head(session_id: str, worker: WorkerEntry) -> RecordHead:
     """What a worker's session is known as when no record of it is readable here."""
     return RecordHead(
         session_id=session_id,
@@ -226,4 +314,27 @@ def _unknown_head(session_id: str, worker: Worker) -> RecordHead:
         updated=0.0,
         sink=worker.ready.sink,
         window=worker.ready.max_window,
+    )
+
+
+def _info(record: SessionRecord, slab_bytes: int, idle_s: float, token_ids: bool) -> SessionInfo:
+    """SESSION INFO for a hibernated session, from its record."""
+    history = record.history + record.pending
+    return SessionInfo(
+        session_id=record.session_id,
+        worker_id="",
+        history_tokens=len(history),
+        cached_tokens=0,
+        kv_live_bytes=0,
+        slab_bytes=slab_bytes,
+        truncated_tokens=max(0, len(record.history) - record.sink - record.window),
+        idle_s=idle_s,
+        sink=record.sink,
+        window=record.window,
+        busy=False,
+        messages=len(record.messages),
+        token_ids=history if token_ids else None,
+        state="hibernated",
+        restores=record.restores,
+        last_restore_s=record.last_restore_s,
     )

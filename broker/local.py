@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvmux import logs
+from kvmux import logs, settings
 from kvmux.worker.preload import openblas_path
 
 from .auth import Auth
@@ -57,18 +57,12 @@ class LocalWorkers:
         self.stopping = False
 
     def command(self, index: int) -> list[str]:
+        """`kvmux worker` with the daemon's WorkerSettings, then its worker_args (which win)."""
         cfg = self.cfg
-        cmd = [sys.executable, "-m", "kvmux.cli", "worker", "--connect", self.backend, "--slabs", str(cfg.slabs)]
-        cmd += ["--heartbeat-s", str(cfg.heartbeat_s), "--worker-id", f"local-{index}", "--state-dir", cfg.state_dir]
-        cmd += ["--max-tokens-limit", str(cfg.max_tokens_limit), "--max-append-tokens", str(cfg.max_append_tokens)]
-        if cfg.model:
-            cmd += ["--model", cfg.model]
-        if cfg.chat_template:
-            cmd += ["--chat-template", cfg.chat_template]
-        if cfg.draft_model:
-            cmd += ["--draft-model", cfg.draft_model] + (["--draft-quantized"] if cfg.draft_quantized else [])
-        if cfg.batch_invariant:
-            cmd += ["--batch-invariant"]
+        cmd = [sys.executable, "-m", "kvmux.commands.cli", "worker", "--connect", self.backend]
+        cmd += ["--worker-id", f"local-{index}"]
+        for setting in settings.declared(settings.WorkerSettings):
+            cmd += setting.argv(getattr(cfg, setting.name))
         return cmd + list(cfg.worker_args)
 
     def env(self) -> dict[str, str]:

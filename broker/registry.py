@@ -6,9 +6,10 @@ free = slabs - foreign - live sessions - opens in flight."""
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvmux.protocol import ErrorCode, Op, SessionOpened, WorkerReady
 
@@ -18,7 +19,7 @@ _GONE_MEMORY = 4096
 
 
 @dataclass(eq=False)
-class Worker:
+class WorkerEntry:
     identity: bytes  # its DEALER routing id on the backend
     ready: WorkerReady
     foreign: int  # slabs its READY said were taken by sessions this broker never opened
@@ -43,25 +44,63 @@ class Worker:
         return max(0, self.ready.slabs - self.foreign - len(self.sessions) - self.opening)
 
 
+class State(enum.Enum):
+    """Where a session is, as the broker knows it. Every change is a
+    Registry method below, along `_MOVES`:
+
+        HIBERNATED --place--> RESTORING --first answer--> LIVE
+        HIBERNATED --a worker's READY lists it--> LIVE
+        LIVE --HIBERNATE sent--> HIBERNATING --its FINAL--> HIBERNATED
+                                             (refused: back to LIVE)
+        LIVE, HIBERNATING, RESTORING --the broker ends it--> CLOSING
+                                             (the CLOSE refused: back to LIVE)
+        LIVE, HIBERNATING, RESTORING --its worker lost, store shared--> HIBERNATED
+
+    A session leaves the registry (`drop_session`) from any state."""
+
+    LIVE = "live"  # in a slab on its worker
+    HIBERNATING = "hibernating"  # a HIBERNATE is on its way to the worker
+    HIBERNATED = "hibernated"  # in the store only
+    RESTORING = "restoring"  # placed on a worker that has not answered for it yet
+    CLOSING = "closing"  # a CLOSE the broker sent is on its way to the worker
+
+
+_MOVES: dict[State, frozenset[State]] = {
+    State.LIVE: frozenset({State.HIBERNATING, State.CLOSING, State.HIBERNATED}),
+    State.HIBERNATING: frozenset({State.HIBERNATED, State.LIVE, State.CLOSING}),
+    State.HIBERNATED: frozenset({State.RESTORING, State.LIVE}),
+    State.RESTORING: frozenset({State.LIVE, State.CLOSING, State.HIBERNATED}),
+    State.CLOSING: frozenset({State.LIVE}),
+}
+
+
+class IllegalMove(RuntimeError):
+    """A transition `_MOVES` does not allow: a bug in the broker, logged by its loop."""
+
+
 @dataclass(eq=False)
-class Session:
+class SessionEntry:
     session_id: str
-    worker: Worker | None  # None while hibernated (in the store only)
+    worker: WorkerEntry | None  # None while hibernated (in the store only)
     route: bytes  # the client that last used it
     owner: str  # its identity for the per-client quota
     last_active: float
     opened: SessionOpened  # what OPEN answered: RESUME answers it again
+    state: State = State.LIVE
     opened_at: float = 0.0  # wall-clock seconds
     in_flight: int = 0
-    ending: ErrorCode | None = None  # set when the broker decided to close it (why)
-    closing: bool = False  # a CLOSE is on its way to the worker
-    hibernating: bool = False  # a HIBERNATE is on its way to the worker
-    restoring: bool = False  # placed on a worker that has not answered for it yet
-    held: list = field(default_factory=list)  # client frames that came while it hibernated
+    ending: ErrorCode | None = None  # why the broker decided to close it (its calls are refused with it)
+    held: list[Any] = field(default_factory=list)  # ClientFrames that came while it hibernated
 
     @property
-    def state(self) -> str:
-        return "live" if self.worker is not None else "hibernated"
+    def live(self) -> bool:
+        """In a slab (or on its way into one): what SESSIONS lists as live."""
+        return self.worker is not None
+
+    def move(self, to: State) -> None:
+        if to is not self.state and to not in _MOVES[self.state]:
+            raise IllegalMove(f"session {self.session_id}: {self.state.value} -> {to.value}")
+        self.state = to
 
 
 class Gone(NamedTuple):
@@ -77,7 +116,7 @@ class Request:
     route: bytes  # b"" for the broker's own requests
     request_id: int
     op: str
-    worker: Worker
+    worker: WorkerEntry
     session_id: str
     owner: str = ""  # OPEN: quota identity of the future session
     orphaned: bool = False  # its client vanished: replies are consumed, not sent
@@ -88,20 +127,20 @@ class Request:
 
 class Registry:
     def __init__(self) -> None:
-        self.workers: dict[bytes, Worker] = {}
-        self.sessions: dict[str, Session] = {}
+        self.workers: dict[bytes, WorkerEntry] = {}
+        self.sessions: dict[str, SessionEntry] = {}
         self.requests: dict[tuple[bytes, int], Request] = {}
         self.gone: OrderedDict[str, Gone] = OrderedDict()
 
     # ------------------------------------------------------------ workers
 
-    def add_worker(self, identity: bytes, ready: WorkerReady, now: float) -> Worker:
+    def add_worker(self, identity: bytes, ready: WorkerReady, now: float) -> WorkerEntry:
         foreign = max(0, ready.slabs - ready.free_slabs)
-        worker = Worker(identity=identity, ready=ready, foreign=foreign, last_seen=now)
+        worker = WorkerEntry(identity=identity, ready=ready, foreign=foreign, last_seen=now)
         self.workers[identity] = worker
         return worker
 
-    def remove_worker(self, worker: Worker, why: str, stored: bool) -> list[Request]:
+    def remove_worker(self, worker: WorkerEntry, why: str, stored: bool) -> list[Request]:
         """Forget `worker`; return its requests in flight (now failed). Its
         sessions hibernate when their records are in a store we share
         (`stored`), and are remembered as lost otherwise."""
@@ -118,7 +157,7 @@ class Registry:
                 self.drop_session(session_id, ErrorCode.SESSION_NOT_FOUND, why)
         return lost
 
-    def place(self, store: str | None = None) -> Worker | None:
+    def place(self, store: str | None = None) -> WorkerEntry | None:
         """The worker with the most free slabs that takes sessions (and
         reads `store`, for a restore)."""
         candidates = [
@@ -126,16 +165,13 @@ class Registry:
         ]
         return max(candidates, key=lambda w: w.free_slabs, default=None)
 
-    def idle_live(self, store: str | None = None) -> list[Session]:
+    def idle_live(self, store: str | None = None) -> list[SessionEntry]:
         """Live sessions with nothing running or on its way, least recently
         used first: the ones to hibernate when a slab is needed."""
         idle = [
             s
             for s in self.sessions.values()
-            if s.worker is not None
-            and s.in_flight == 0
-            and not (s.hibernating or s.restoring or s.closing or s.ending)
-            and store in (None, s.worker.ready.store)
+            if s.state is State.LIVE and s.in_flight == 0 and not s.ending and store in (None, s.worker.ready.store)
         ]
         return sorted(idle, key=lambda s: s.last_active)
 
@@ -148,27 +184,55 @@ class Registry:
     # ----------------------------------------------------------- sessions
 
     def add_session(
-        self, session_id: str, worker: Worker | None, route: bytes, owner: str, now: float, opened: SessionOpened
-    ) -> Session:
-        session = Session(session_id, worker, route, owner, now, opened)
+        self, session_id: str, worker: WorkerEntry | None, route: bytes, owner: str, now: float, opened: SessionOpened
+    ) -> SessionEntry:
+        state = State.LIVE if worker is not None else State.HIBERNATED
+        session = SessionEntry(session_id, worker, route, owner, now, opened, state)
         self.sessions[session_id] = session
         if worker is not None:
             worker.sessions.add(session_id)
         return session
 
-    def hibernated(self, session: Session) -> None:
-        """The session's slab is free; it lives in the store now."""
+    # Every change of a session's state (State's docstring has the map).
+
+    def hibernating(self, session: SessionEntry) -> None:
+        """A HIBERNATE is on its way to its worker."""
+        session.move(State.HIBERNATING)
+
+    def hibernated(self, session: SessionEntry) -> None:
+        """The session's slab is free; it lives in the store now (a CLOSE on
+        its way stays on its way)."""
         if session.worker is not None:
             session.worker.sessions.discard(session.session_id)
         session.worker = None
-        session.hibernating = session.restoring = False
+        if session.state is not State.CLOSING:
+            session.move(State.HIBERNATED)
 
-    def place_session(self, session: Session, worker: Worker) -> None:
+    def stays_live(self, session: SessionEntry) -> None:
+        """Its worker refused to hibernate or close it, or answered for it
+        after a restore."""
+        session.move(State.LIVE)
+
+    def place_session(self, session: SessionEntry, worker: WorkerEntry) -> None:
         """A hibernated session takes a slab on `worker`, which restores it
         when the request that follows reaches it."""
+        session.move(State.RESTORING)
         session.worker = worker
-        session.restoring = True
         worker.sessions.add(session.session_id)
+
+    def adopted(self, session: SessionEntry, worker: WorkerEntry) -> None:
+        """`worker`'s READY says it holds the session (it kept it across a
+        restart): live there."""
+        session.worker = worker
+        worker.sessions.add(session.session_id)
+        if session.state is not State.CLOSING:
+            session.move(State.LIVE)
+
+    def closing(self, session: SessionEntry, why: ErrorCode) -> None:
+        """The broker ends the session for `why`: its calls are refused with
+        it from now on; a CLOSE goes to its worker."""
+        session.ending = session.ending or why
+        session.move(State.CLOSING)
 
     def drop_session(self, session_id: str, code: ErrorCode | None = None, why: str = "") -> None:
         """Forget a session (its slab is free). With `code`, a later call on it
@@ -190,7 +254,7 @@ class Registry:
     # ----------------------------------------------------------- requests
 
     def track(
-        self, route: bytes, request_id: int, op: str, worker: Worker, session_id: str, owner: str = ""
+        self, route: bytes, request_id: int, op: str, worker: WorkerEntry, session_id: str, owner: str = ""
     ) -> Request:
         req = Request(route, request_id, op, worker, session_id, owner)
         self.requests[(route, request_id)] = req

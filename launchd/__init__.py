@@ -37,7 +37,7 @@ def render(serve_args: list[str], *, system: bool, user: str = SERVICE_USER, gra
     Python; a system job runs as `user` with its state under /var/lib/kvmux."""
     home = SYSTEM_HOME if system else Path.home() / "Library/Application Support/kvmux"
     log_path = SYSTEM_LOG if system else Path.home() / "Library/Logs/kvmux.log"
-    argv = [sys.executable, "-m", "kvmux.cli", "serve", *serve_args]
+    argv = [sys.executable, "-m", "kvmux.commands.cli", "serve", *serve_args]
     run_as = "\n".join(f"  <key>{key}</key>\n  <string>{escape(user)}</string>" for key in ("UserName", "GroupName"))
     text = Template(TEMPLATE.read_text()).substitute(
         label=LABEL,

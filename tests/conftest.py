@@ -40,7 +40,7 @@ def _free_tcp_port() -> int:
 
 
 def kvmux_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvmux.cli", *args]
+    return [sys.executable, "-m", "kvmux.commands.cli", *args]
 
 
 def broker_stats(endpoint: str, timeout_s: float = 2.0) -> p.BrokerStats | None:

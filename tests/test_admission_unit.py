@@ -9,7 +9,7 @@ import pytest
 
 from kvmux.broker.admission import Admission, Pending, Refusal, percentiles
 from kvmux.broker.config import BrokerConfig
-from kvmux.broker.registry import Registry, Session, Worker
+from kvmux.broker.registry import Registry, SessionEntry, WorkerEntry
 from kvmux.protocol import ErrorCode, Op, OpenSession, OverloadReason, ProtocolError, SessionOpened, WorkerReady
 
 
@@ -23,18 +23,20 @@ def pending(route: bytes = b"c1", request_id: int = 1, owner: str = "alice", ses
     return Pending(route, request_id, b"", owner, 0.0, 0.0, session_id=session_id)
 
 
-def add(reg: Registry, session_id: str, worker: Worker | None, owner: str = "zed", now: float = 0.0) -> Session:
+def add(
+    reg: Registry, session_id: str, worker: WorkerEntry | None, owner: str = "zed", now: float = 0.0
+) -> SessionEntry:
     opened = SessionOpened(session_id=session_id, worker_id="w", model="m", sink=4, window=64, slab_bytes=1)
     return reg.add_session(session_id, worker, b"c0", owner, now, opened)
 
 
-def busy(reg: Registry, worker: Worker, session_id: str = "busy") -> Session:
+def busy(reg: Registry, worker: WorkerEntry, session_id: str = "busy") -> SessionEntry:
     session = add(reg, session_id, worker)
     reg.track(b"c0", len(reg.requests) + 1, Op.GENERATE, worker, session_id)
     return session
 
 
-def full(cfg: BrokerConfig) -> tuple[Registry, Admission, Worker]:
+def full(cfg: BrokerConfig) -> tuple[Registry, Admission, WorkerEntry]:
     """One worker whose only slab runs a generation."""
     reg = Registry()
     worker = reg.add_worker(b"w1", ready(slabs=1), now=0.0)
@@ -118,7 +120,7 @@ def test_an_idle_session_makes_any_policy_wait_for_its_slab():
     adm = Admission(BrokerConfig(admission="reject", queue_wait_s=5.0))
     waiting = pending()
     assert adm.decide(reg, waiting, OpenSession(), 1.0) is waiting and waiting.deadline == 6.0
-    idle.hibernating = True  # its HIBERNATE is on its way: still worth waiting for
+    reg.hibernating(idle)  # its HIBERNATE is on its way: still worth waiting for
     second = pending(b"c2")
     assert adm.decide(reg, second, OpenSession(), 1.0) is second and list(adm.queue) == [waiting, second]
     assert not adm.refused
@@ -172,7 +174,7 @@ def test_idle_picks_sessions_past_the_idle_timeout_or_the_ttl_with_nothing_runni
     asleep = add(reg, "asleep", None)
     busy(reg, worker)
     new = add(reg, "new", worker, now=5.0)
-    add(reg, "hibernating", worker).hibernating = True
+    reg.hibernating(add(reg, "hibernating", worker))
     add(reg, "ending", worker).ending = ErrorCode.SESSION_EXPIRED
     assert Admission(BrokerConfig(idle_timeout_s=10.0, session_ttl_s=0)).idle(reg, 12.0) == [old, asleep]
     assert Admission(BrokerConfig(idle_timeout_s=0, session_ttl_s=100.0)).idle(reg, 12.0) == []

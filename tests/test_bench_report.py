@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from kvmux.bench import plot
 from kvmux.bench.report import ReportWriter, load, write_json_atomic
 from kvmux.bench.summary import SeriesError, summarize, verdicts_pass
-from kvmux.cli import app
+from kvmux.commands.cli import app
 
 DATA = Path(__file__).parent / "data" / "bench"
 

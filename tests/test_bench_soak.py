@@ -7,7 +7,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from kvmux.bench.report import load
-from kvmux.cli import app
+from kvmux.commands.cli import app
 
 TURNS = 30
 

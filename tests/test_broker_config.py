@@ -9,7 +9,8 @@ import pytest
 from conftest import KERNELS, Daemon, kvmux_command
 
 from kvmux.broker.admission import percentiles
-from kvmux.broker.config import BrokerConfig, ConfigError, load
+from kvmux.broker.config import BrokerConfig, load
+from kvmux.settings import ConfigError
 
 
 def test_toml_values_and_command_line_override(tmp_path):

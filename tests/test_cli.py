@@ -49,7 +49,7 @@ def test_launchd_plist_is_valid_and_runs_serve(system):
     assert out.returncode == 0, out.stderr
     job = plistlib.loads(out.stdout.encode())
     assert job["Label"] == "com.kvmux.daemon"
-    assert job["ProgramArguments"][1:] == ["-m", "kvmux.cli", "serve", "--workers", "2"]
+    assert job["ProgramArguments"][1:] == ["-m", "kvmux.commands.cli", "serve", "--workers", "2"]
     assert job["KeepAlive"] == {"SuccessfulExit": False}
     assert job["ThrottleInterval"] == 10  # a failing daemon is not restarted in a tight loop
     if system:  # never root: a dedicated role account, its state under /var/lib/kvmux

@@ -18,7 +18,8 @@ from conftest import Daemon, broker_stats
 
 from kvmux.client import Client, Overloaded, SessionCorrupt, SessionNotFound
 from kvmux.protocol import ChatMessage
-from kvmux.store import RECORD, SessionRecord, Store
+from kvmux.sessions import LocalStore, SessionRecord
+from kvmux.sessions.local import RECORD
 
 TOKENS = 6
 PROMPTS = [f"Name {word} in one word." for word in ("a fruit", "a colour", "a planet", "a tree", "a river", "a bird")]
@@ -193,7 +194,7 @@ def test_corrupt_records_are_typed_errors(tmp_path):
 def test_a_record_from_before_chat_template_kwargs_loads_with_none(tmp_path):
     """Records written before sessions had template options hold no
     `chat_template_kwargs`: they load, and render with none, as they did."""
-    store, sid = Store(tmp_path), "a" * 32
+    store, sid = LocalStore(tmp_path), "a" * 32
     record = SessionRecord(
         session_id=sid,
         model="m",

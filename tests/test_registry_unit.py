@@ -4,7 +4,7 @@ flight), so every test checks them after the change it makes."""
 
 from __future__ import annotations
 
-from kvmux.broker.registry import Registry, Session, Worker
+from kvmux.broker.registry import Registry, SessionEntry, State, WorkerEntry
 from kvmux.protocol import ErrorCode, Op, SessionOpened, WorkerReady
 
 
@@ -23,7 +23,9 @@ def ready(slabs: int = 2, free: int | None = None, store: str = "") -> WorkerRea
     )
 
 
-def add(reg: Registry, session_id: str, worker: Worker | None, owner: str = "alice", now: float = 0.0) -> Session:
+def add(
+    reg: Registry, session_id: str, worker: WorkerEntry | None, owner: str = "alice", now: float = 0.0
+) -> SessionEntry:
     opened = SessionOpened(session_id=session_id, worker_id="w", model="m", sink=4, window=64, slab_bytes=1)
     return reg.add_session(session_id, worker, b"c1", owner, now, opened)
 
@@ -79,7 +81,7 @@ def test_a_lost_worker_sharing_our_store_leaves_its_sessions_hibernated():
     session = add(reg, "s1", worker)
     reg.track(b"c1", 1, Op.GENERATE, worker, "s1")
     assert len(reg.remove_worker(worker, "disconnected", stored=True)) == 1
-    assert reg.sessions["s1"] is session and session.worker is None and session.state == "hibernated"
+    assert reg.sessions["s1"] is session and session.worker is None and session.state is State.HIBERNATED
     assert session.in_flight == 0 and "s1" not in reg.gone
 
 
@@ -100,13 +102,13 @@ def test_hibernating_frees_the_slab_and_placing_takes_one_to_restore():
     reg = Registry()
     worker = reg.add_worker(b"w1", ready(slabs=1), now=0.0)
     session = add(reg, "s1", worker)
-    assert worker.free_slabs == 0 and session.state == "live"
+    assert worker.free_slabs == 0 and session.state is State.LIVE
     reg.hibernated(session)
     assert session.worker is None and worker.free_slabs == 1 and reg.sessions["s1"] is session
     reg.place_session(session, worker)
-    assert session.worker is worker and session.restoring and worker.free_slabs == 0
+    assert session.worker is worker and session.state is State.RESTORING and worker.free_slabs == 0
     reg.hibernated(session)
-    assert not session.restoring and worker.free_slabs == 1
+    assert session.state is State.HIBERNATED and worker.free_slabs == 1
 
 
 def test_idle_live_lists_hibernation_candidates_least_recently_used_first():
@@ -116,7 +118,7 @@ def test_idle_live_lists_hibernation_candidates_least_recently_used_first():
     newer, older = add(reg, "newer", here, now=5.0), add(reg, "older", here, now=1.0)
     elsewhere = add(reg, "elsewhere", there, now=0.0)
     reg.track(b"c1", 1, Op.GENERATE, here, add(reg, "busy", here).session_id)
-    add(reg, "closing", here).closing = True
+    reg.closing(add(reg, "closing", here), ErrorCode.SESSION_EXPIRED)
     add(reg, "ending", here).ending = ErrorCode.SESSION_EXPIRED
     reg.place_session(add(reg, "restoring", None), here)
     reg.hibernated(add(reg, "asleep", here))

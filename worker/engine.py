@@ -4,7 +4,7 @@ own slab.
 
 Both are coroutines that yield explicit events: a `Step` (tokens to run
 through the slab; the scheduler answers with the logits, from one pass
-shared by every session with work) and, while decoding, a `Decoded` token
+shared by every session with work) and, while decoding, a `NewToken` token
 (the scheduler sends it, and answers whether the job was cancelled). The
 scheduler owns sending, flow control and cancel; the engine owns what is
 computed and what it means.
@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
@@ -34,6 +35,7 @@ from kvmux.protocol import (
     SpeculativeMode,
     StopReason,
 )
+from kvmux.sessions import SessionState
 
 from . import forward, padding
 from .conversation import Conversation
@@ -51,30 +53,17 @@ PREFILL_CHUNK = 128  # tokens per prefill step when no other session is decoding
 RECENT_TOKENS = 1 << 16  # replies of all sessions the worker-wide lookup keeps
 
 
-@dataclass
-class Session:
-    id: str
-    sink: int
-    window: int
+class LiveSession(SessionState, kw_only=True, eq=False):
+    """A session in a slab: its durable state (kvmux/sessions/record.py,
+    written to its record after every request) and what lives only here."""
+
     slab: list[SlabCache]
     conversation: Conversation
-    defaults: Sampling
-    history: list[int] = field(default_factory=list)  # tokens in the slab (and dropped from it)
-    pending: list[int] = field(default_factory=list)  # appended, not yet prefilled
-    raw: bool = False  # last append was raw token ids: generate continues them, no template
     logits: mx.array | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    # durable state (worker/durable.py)
-    owner: str = ""
-    created: float = field(default_factory=time.time)
-    snapshot: str | None = None  # slab file in the store holding history[:snapshot_tokens]
-    snapshot_tokens: int = 0
-    replay: list[int] = field(default_factory=list)  # sizes of the chunks run since the snapshot
-    restores: int = 0
-    last_restore_s: float = 0.0
+    last_used: float = msgspec.field(default_factory=time.monotonic)
     # speculative decoding (worker/speculative.py)
-    lookup: Lookup = field(default_factory=Lookup)  # follows `history`
-    drafting: DraftLength = field(default_factory=DraftLength)
+    lookup: Lookup = msgspec.field(default_factory=Lookup)  # follows `history`
+    drafting: DraftLength = msgspec.field(default_factory=DraftLength)
     draft: DraftCache | None = None  # the draft model's cache, when the worker has one
 
     @property
@@ -109,13 +98,13 @@ class Step:
     its last; the scheduler runs every job's step in one pass and resumes
     the job with (logits, cancelled)."""
 
-    session: Session
+    session: LiveSession
     tokens: mx.array
-    decode: bool
+    rows: bool
 
 
 @dataclass
-class Decoded:
+class NewToken:
     """A decoded token and the text now safe to send; the scheduler sends
     it and resumes the job with whether it was cancelled."""
 
@@ -124,7 +113,7 @@ class Decoded:
 
 
 @dataclass
-class Decoding:
+class GenerationEnd:
     """How a generation ended."""
 
     reason: StopReason
@@ -192,24 +181,25 @@ class Engine:
         sink: int | None,
         window: int | None,
         system: str | None,
-        defaults: Sampling | None,
+        sampling: Sampling | None,
         chat_template_kwargs: dict | None = None,
-    ) -> Session:
+    ) -> LiveSession:
         sink = self.max_sink if sink is None else sink
         window = self.max_window if window is None else window
         if not 0 <= sink <= self.max_sink:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"sink must be within 0..{self.max_sink}")
         if not 1 <= window <= self.max_window:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"window must be within 1..{self.max_window}")
-        defaults = defaults or Sampling()
-        self.params(Sampling(), defaults)  # validate the defaults now, not at the first generate
-        return Session(
-            id=session_id,
+        sampling = sampling or Sampling()
+        self.params(Sampling(), sampling)  # validate the defaults now, not at the first generate
+        return LiveSession(
+            session_id=session_id,
             sink=sink,
             window=window,
+            created=time.time(),
+            sampling=sampling,
             slab=self.make_slab(sink, window),
             conversation=Conversation.open(self.tokenizer, system, chat_template_kwargs),
-            defaults=defaults,
             draft=self.drafter.new_cache(sink, window) if self.drafter else None,
         )
 
@@ -265,19 +255,19 @@ class Engine:
 
     # ------------------------------------------------------------ compute
 
-    def _forward(self, session: Session, tokens: mx.array, decode: bool) -> mx.array:
+    def _forward(self, session: LiveSession, tokens: mx.array, rows: bool) -> mx.array:
         if self.shared_passes:
-            return forward.forward(self.model, [forward.Segment(tokens, session.slab, decode)], self.floors)[0]
+            return forward.forward(self.model, [forward.Segment(tokens, session.slab, rows)], self.floors)[0]
         return self.model(tokens[None], cache=session.slab)[:, -1, :]
 
-    def prefill(self, session: Session, chunk: Callable[[], int]):
+    def prefill(self, session: LiveSession, chunk: Callable[[], int]):
         """Run the session's pending tokens through its slab, `chunk()`
         tokens per step (the scheduler's pace), until done or cancelled.
         What a cancel leaves pending goes in with the next append or
         generate. Returns whether it was cancelled."""
         while session.pending:
             tokens = session.pending[: chunk()]
-            logits, cancelled = yield Step(session, mx.array(tokens), decode=False)
+            logits, cancelled = yield Step(session, mx.array(tokens), rows=False)
             mx.eval(logits, [layer.state for layer in session.slab])
             session.logits = logits
             session.history.extend(tokens)
@@ -287,16 +277,16 @@ class Engine:
                 return True
         return False
 
-    def run_chunk(self, session: Session, tokens: list[int]) -> mx.array:
+    def run_chunk(self, session: LiveSession, tokens: list[int]) -> mx.array:
         """Run tokens through the slab as one chunk (a single token as a
         decode step); the logits after the last."""
-        logits = self._forward(session, mx.array(tokens), decode=len(tokens) == 1)
+        logits = self._forward(session, mx.array(tokens), rows=len(tokens) == 1)
         mx.eval(logits, [layer.state for layer in session.slab])
         return logits
 
-    def decode(self, session: Session, params: GenerationParams):
+    def decode(self, session: LiveSession, params: GenerationParams):
         """Sample up to max_tokens tokens, each run through the slab; a
-        coroutine of `Step`s and `Decoded`s that returns a `Decoding`.
+        coroutine of `Step`s and `NewToken`s that returns a `GenerationEnd`.
 
         Each step runs the token to feed (and, when speculating, the drafts
         after it) as decode rows. Without drafts the next token is sampled
@@ -321,14 +311,14 @@ class Engine:
 
         detok = self.tokenizer.detokenizer
         stops = StopMatcher(params.stop)
-        result = Decoding(StopReason.CANCELLED, "")
+        result = GenerationEnd(StopReason.CANCELLED, "")
         emitted, cancelled, known = 0, False, None
         y = sample(session.logits, 0)
         while True:
             rng = np.random.default_rng([params.seed & 0xFFFFFFFF, emitted]) if sampling else None
             proposal = self._propose(session, params, y, known, params.max_tokens - emitted - 1, sampling, rng)
             tokens = mx.concatenate([y, mx.array(proposal.tokens)]) if proposal else y
-            logits, cancelled = yield Step(session, tokens, decode=True)
+            logits, cancelled = yield Step(session, tokens, rows=True)
             if proposal:
                 if sampling:
                     kept, following = accept_sampled(distributions(logits, *sampling), proposal, rng)
@@ -368,7 +358,7 @@ class Engine:
                     reason = StopReason.STOP
                 elif reason:
                     text += stops.flush()  # nothing more can complete a stop string
-                cancelled = yield Decoded(token, text)
+                cancelled = yield NewToken(token, text)
                 if reason:
                     self._settle(session, len(tokens), i + 1, proposal)
                     session.logits = logits[i : i + 1]
@@ -381,7 +371,7 @@ class Engine:
 
     def _propose(
         self,
-        session: Session,
+        session: LiveSession,
         params: GenerationParams,
         y: mx.array,
         known: int | None,
@@ -419,14 +409,14 @@ class Engine:
             return drafter.propose(session.draft, session.history, last, k, sampling, rng)
         return None
 
-    def _settle(self, session: Session, ran: int, kept: int, proposal: Proposal | None) -> None:
+    def _settle(self, session: LiveSession, ran: int, kept: int, proposal: Proposal | None) -> None:
         """After a step: of the `ran` tokens run through the slab, `kept`
         are in the history; take the rest back out (of the draft cache too)."""
         rewind(session.slab, ran - kept)
         if proposal and proposal.drafted:
             self.drafter.settle(session.draft, kept)
 
-    def _remember(self, session: Session, params: GenerationParams, emitted: int) -> None:
+    def _remember(self, session: LiveSession, params: GenerationParams, emitted: int) -> None:
         """A finished reply goes into the worker-wide lookup."""
         if self.speculative and params.speculative is not SpeculativeMode.OFF:
             self.recent.extend([*session.history[-emitted:], SEPARATOR])
@@ -436,6 +426,6 @@ class Engine:
         where the model allows it (lazy: computed when a session reads them)."""
         if len(steps) > 1 and self.shared_passes:
             return forward.forward(
-                self.model, [forward.Segment(s.tokens, s.session.slab, s.decode) for s in steps], self.floors
+                self.model, [forward.Segment(s.tokens, s.session.slab, s.rows) for s in steps], self.floors
             )
-        return [self._forward(s.session, s.tokens, s.decode) for s in steps]
+        return [self._forward(s.session, s.tokens, s.rows) for s in steps]

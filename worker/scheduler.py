@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 import zmq
@@ -17,10 +17,10 @@ import zmq
 from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
-from kvmux.store import Store
+from kvmux.sessions import SessionStore, durable
 
-from . import control, durable
-from .engine import PREFILL_CHUNK, Decoded, Decoding, Engine, Session, Step
+from . import control, restore
+from .engine import PREFILL_CHUNK, Engine, GenerationEnd, LiveSession, NewToken, Step
 from .pace import Pace
 from .slab import SlabPool
 
@@ -33,7 +33,7 @@ IDLE_POLL_MS = 100
 class Job:
     """A running append or generate on one session."""
 
-    session: Session
+    session: LiveSession
     route: bytes
     request_id: int
     steps: Generator | None = None
@@ -51,14 +51,32 @@ class Job:
         return self.cancelled or not self.credit or self.outstanding < self.credit
 
 
+class Undo(NamedTuple):
+    """Where a session stood before a generate added its messages and
+    prompt: put back when the template refuses them."""
+
+    conversation: tuple[int, str]  # Conversation.mark()
+    pending: int
+    raw: bool
+
+    @classmethod
+    def of(cls, session: LiveSession) -> Undo:
+        return cls(session.conversation.mark(), len(session.pending), session.raw)
+
+    def apply(self, session: LiveSession) -> None:
+        session.conversation.rollback(self.conversation)
+        del session.pending[self.pending :]
+        session.raw = self.raw
+
+
 @dataclass
 class Scheduler:
     engine: Engine
     pool: SlabPool
     worker_id: str
     pipe: zmq.Socket  # PAIR to the I/O thread
-    store: Store
-    sessions: dict[str, Session] = field(default_factory=dict)
+    store: SessionStore
+    sessions: dict[str, LiveSession] = field(default_factory=dict)
     jobs: dict[str, Job] = field(default_factory=dict)
     draining: bool = False
     stopping: bool = False
@@ -100,10 +118,10 @@ class Scheduler:
             decoding = any(job.decoding for job in runnable)
             self.chunk = self.pace.share if decoding else PREFILL_CHUNK
             started = time.perf_counter()
-            asking = [job for job in runnable if self.jobs.get(job.session.id) is job and self.step(job)]
+            asking = [job for job in runnable if self.jobs.get(job.session.session_id) is job and self.step(job)]
             if asking:
                 self.forward_pass(asking)
-                prefill = sum(job.ask.tokens.shape[0] for job in asking if not job.ask.decode)
+                prefill = sum(job.ask.tokens.shape[0] for job in asking if not job.ask.rows)
                 self.pace.observe(time.perf_counter() - started, decoding, prefill)
             self.report_status()
 
@@ -119,7 +137,11 @@ class Scheduler:
             for job in jobs:
                 self.finish(job)
                 self.error(
-                    job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+                    job.route,
+                    job.request_id,
+                    job.session.session_id,
+                    ErrorCode.INTERNAL,
+                    f"{type(exc).__name__}: {exc}",
                 )
 
     def step(self, job: Job) -> bool:
@@ -129,35 +151,37 @@ class Scheduler:
         try:
             out = job.steps.send(None if job.logits is None else (job.logits, job.cancelled))
             job.logits = None
-            while isinstance(out, Decoded):
+            while isinstance(out, NewToken):
                 self.emit(job, out)
                 out = job.steps.send(job.cancelled)
             if isinstance(out, Step):
-                job.ask, job.decoding = out, out.decode
+                job.ask, job.decoding = out, out.rows
                 return True
         except StopIteration:
             self.finish(job)
         except ProtocolError as exc:
             self.finish(job)
-            self.error(job.route, job.request_id, job.session.id, exc.code, exc.message, **exc.extra)
+            self.error(job.route, job.request_id, job.session.session_id, exc.code, exc.message, **exc.extra)
         except Exception as exc:  # one bad request must not kill the compute loop
-            log.exception("job_failed", session=job.session.id)
+            log.exception("job_failed", session=job.session.session_id)
             self.finish(job)
-            self.error(job.route, job.request_id, job.session.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            self.error(
+                job.route, job.request_id, job.session.session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            )
         return False
 
-    def emit(self, job: Job, decoded: Decoded) -> None:
+    def emit(self, job: Job, decoded: NewToken) -> None:
         job.outstanding += bool(job.credit)
         self.send(
             job.route,
             Op.PARTIAL,
             job.request_id,
-            job.session.id,
+            job.session.session_id,
             p.Chunk(token_ids=[decoded.token], text=decoded.text),
         )
 
     def finish(self, job: Job) -> None:
-        del self.jobs[job.session.id]
+        del self.jobs[job.session.session_id]
         job.session.last_used = time.monotonic()
         if job.close_after:
             self.close(job.session, *job.close_after)
@@ -169,9 +193,9 @@ class Scheduler:
         the job did: the client never hears of a turn a crash could lose."""
         job.saved = True
         self.save(job.session)
-        self.send(job.route, Op.FINAL, job.request_id, job.session.id, body)
+        self.send(job.route, Op.FINAL, job.request_id, job.session.session_id, body)
 
-    def save(self, session: Session, *, snapshot: bool = False) -> int:
+    def save(self, session: LiveSession, *, snapshot: bool = False) -> int:
         """Write the session's durable record: after this, a crash of this
         worker loses nothing the session has done."""
         return durable.save(self.store, session, self.engine.loaded.model_id, snapshot_now=snapshot)
@@ -183,7 +207,7 @@ class Scheduler:
                 try:
                     self.save(session, snapshot=True)
                 except OSError as exc:
-                    log.error("session_save_failed", session=session.id, error=str(exc))
+                    log.error("session_save_failed", session=session.session_id, error=str(exc))
 
     def prefill_chunk(self) -> int:
         return self.chunk
@@ -220,7 +244,7 @@ class Scheduler:
             log.exception("request_failed", op=env.op)
             self.error(route, env.request_id, env.session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    def dormant(self, route: bytes, env: p.Envelope, body) -> Session | None:
+    def dormant(self, route: bytes, env: p.Envelope, body) -> LiveSession | None:
         """A request for a session this worker does not hold: restore it from
         the store when the request needs it live; None when answered here."""
         if env.op == Op.CREDIT:
@@ -238,14 +262,14 @@ class Scheduler:
             raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"session {env.session_id!r} is not live here")
         return self.restore(env.session_id)
 
-    def restore(self, session_id: str) -> Session:
+    def restore(self, session_id: str) -> LiveSession:
         if self.draining:
             raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
         if not self.pool.take():
             raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
         started = time.perf_counter()
         try:
-            session, replayed = durable.restore(self.store, self.engine, session_id)
+            session, replayed = restore.restore(self.store, self.engine, session_id)
         except BaseException:
             self.pool.give_back()
             raise
@@ -282,20 +306,20 @@ class Scheduler:
             self.pool.give_back()
             raise
         session.owner = body.client_name or ""
-        self.sessions[session.id] = session
+        self.sessions[session.session_id] = session
         try:
             self.save(session)
         except BaseException:
             self.drop(session)
             raise
-        log.info("session_opened", session=session.id, sink=session.sink, window=session.window)
+        log.info("session_opened", session=session.session_id, sink=session.sink, window=session.window)
         self.send(
             route,
             Op.FINAL,
             env.request_id,
-            session.id,
+            session.session_id,
             p.SessionOpened(
-                session_id=session.id,
+                session_id=session.session_id,
                 worker_id=self.worker_id,
                 model=self.engine.loaded.model_id,
                 sink=session.sink,
@@ -304,19 +328,19 @@ class Scheduler:
             ),
         )
 
-    def ensure_idle(self, session: Session) -> None:
+    def ensure_idle(self, session: LiveSession) -> None:
         """Refuse a new append/generate before it changes anything."""
-        if session.id in self.jobs:
+        if session.session_id in self.jobs:
             raise ProtocolError(ErrorCode.BUSY, "an append or generate is already running on this session")
         if self.draining:
             raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
 
-    def start(self, route: bytes, env: p.Envelope, session: Session, steps, credit: int = 0) -> None:
+    def start(self, route: bytes, env: p.Envelope, session: LiveSession, steps, credit: int = 0) -> None:
         job = Job(session=session, route=route, request_id=env.request_id, credit=credit)
         job.steps = steps(job)
-        self.jobs[session.id] = job
+        self.jobs[session.session_id] = job
 
-    def queue_messages(self, session: Session, messages: list[p.ChatMessage]) -> None:
+    def queue_messages(self, session: LiveSession, messages: list[p.ChatMessage]) -> None:
         conversation = session.conversation
         mark = conversation.mark()
         tokens = self.engine.encode(conversation.extend([{"role": m.role, "content": m.content} for m in messages]))
@@ -333,7 +357,7 @@ class Scheduler:
             " (--max-append-tokens): send it in parts",
         )
 
-    def append(self, route: bytes, env: p.Envelope, body: p.Append, session: Session) -> None:
+    def append(self, route: bytes, env: p.Envelope, body: p.Append, session: LiveSession) -> None:
         if bool(body.messages) == bool(body.token_ids):
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "append takes either messages or token_ids")
         self.ensure_idle(session)
@@ -367,12 +391,12 @@ class Scheduler:
 
         self.start(route, env, session, steps)
 
-    def generate(self, route: bytes, env: p.Envelope, body: p.Generate, session: Session) -> None:
+    def generate(self, route: bytes, env: p.Envelope, body: p.Generate, session: LiveSession) -> None:
         self.ensure_idle(session)
-        params = self.engine.params(body, session.defaults)
+        params = self.engine.params(body, session.sampling)
         if body.credit < 0:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "credit must be >= 0")
-        conversation, undo = session.conversation, (session.conversation.mark(), len(session.pending), session.raw)
+        conversation, undo = session.conversation, Undo.of(session)
         try:
             if body.messages:
                 self.queue_messages(session, body.messages)
@@ -380,9 +404,7 @@ class Scheduler:
             if chat:
                 session.pending.extend(self.engine.encode(conversation.generation_prompt()))
         except ProtocolError:  # a generate the template refuses appends nothing either
-            conversation.rollback(undo[0])
-            del session.pending[undo[1] :]
-            session.raw = undo[2]
+            undo.apply(session)
             raise
         if session.logits is None and not session.pending:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
@@ -393,7 +415,7 @@ class Scheduler:
             cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
             prefill_s = time.perf_counter() - started
             prompt_tokens = queued - len(session.pending)
-            decoding, decode_s = Decoding(StopReason.CANCELLED, ""), 0.0
+            decoding, decode_s = GenerationEnd(StopReason.CANCELLED, ""), 0.0
             before = len(session.history)
             if not (cancelled or job.cancelled):
                 started = time.perf_counter()
@@ -428,37 +450,37 @@ class Scheduler:
 
         self.start(route, env, session, steps, credit=body.credit)
 
-    def cancel(self, route: bytes, env: p.Envelope, body: p.Cancel, session: Session) -> None:
-        job = self.jobs.get(session.id)
+    def cancel(self, route: bytes, env: p.Envelope, body: p.Cancel, session: LiveSession) -> None:
+        job = self.jobs.get(session.session_id)
         if job is not None and (body.request_id is None or body.request_id == job.request_id):
             job.cancelled = True
-        self.send(route, Op.FINAL, env.request_id, session.id, p.Ack())
+        self.send(route, Op.FINAL, env.request_id, session.session_id, p.Ack())
 
-    def credit(self, route: bytes, env: p.Envelope, body: p.Credit, session: Session) -> None:
+    def credit(self, route: bytes, env: p.Envelope, body: p.Credit, session: LiveSession) -> None:
         # No reply: credits flow with the stream, and a reply per grant would
         # double the frames of a long generation.
-        job = self.jobs.get(session.id)
+        job = self.jobs.get(session.session_id)
         if job is not None and job.request_id == body.request_id:
             job.outstanding = max(0, job.outstanding - body.n)
 
-    def info(self, route: bytes, env: p.Envelope, body: p.Info, session: Session) -> None:
+    def info(self, route: bytes, env: p.Envelope, body: p.Info, session: LiveSession) -> None:
         self.send(
             route,
             Op.FINAL,
             env.request_id,
-            session.id,
+            session.session_id,
             p.SessionInfo(
-                session_id=session.id,
+                session_id=session.session_id,
                 worker_id=self.worker_id,
                 history_tokens=len(session.history) + len(session.pending),
                 cached_tokens=session.cached,
                 kv_live_bytes=session.kv_live_bytes,
                 slab_bytes=self.engine.slab_bytes(session.sink, session.window),
                 truncated_tokens=session.dropped,
-                idle_s=0.0 if session.id in self.jobs else time.monotonic() - session.last_used,
+                idle_s=0.0 if session.session_id in self.jobs else time.monotonic() - session.last_used,
                 sink=session.sink,
                 window=session.window,
-                busy=session.id in self.jobs,
+                busy=session.session_id in self.jobs,
                 messages=len(session.conversation.messages),
                 token_ids=session.history + session.pending if body.token_ids else None,
                 restores=session.restores,
@@ -466,45 +488,45 @@ class Scheduler:
             ),
         )
 
-    def close(self, session: Session, route: bytes, request_id: int, keep: bool = False) -> None:
+    def close(self, session: LiveSession, route: bytes, request_id: int, keep: bool = False) -> None:
         """Free the slab and, unless `keep` (the broker's, when another
         worker holds the session), the stored record."""
         self.drop(session)
         if not keep:
-            self.store.delete(session.id)
-        log.info("session_closed", session=session.id, kept=keep)
-        self.send(route, Op.FINAL, request_id, session.id, p.Closed(session_id=session.id))
+            self.store.delete(session.session_id)
+        log.info("session_closed", session=session.session_id, kept=keep)
+        self.send(route, Op.FINAL, request_id, session.session_id, p.Closed(session_id=session.session_id))
 
-    def close_request(self, route: bytes, env: p.Envelope, body: p.Close, session: Session) -> None:
-        job = self.jobs.get(session.id)
+    def close_request(self, route: bytes, env: p.Envelope, body: p.Close, session: LiveSession) -> None:
+        job = self.jobs.get(session.session_id)
         if job is None:
             self.close(session, route, env.request_id, body.keep)
         else:  # stop the running job at its next boundary, then close
             job.cancelled = True
             job.close_after = (route, env.request_id, body.keep)
 
-    def hibernate(self, route: bytes, env: p.Envelope, body: p.Hibernate, session: Session) -> None:
+    def hibernate(self, route: bytes, env: p.Envelope, body: p.Hibernate, session: LiveSession) -> None:
         """Snapshot the session to the store and free its slab (the broker
         picked it as idle; a job started since makes it `busy`)."""
-        if session.id in self.jobs:
+        if session.session_id in self.jobs:
             raise ProtocolError(ErrorCode.BUSY, "a request runs on this session")
         started = time.perf_counter()
         written = self.save(session, snapshot=True)
         self.drop(session)
         seconds = time.perf_counter() - started
-        log.info("session_hibernated", session=session.id, bytes=written, seconds=round(seconds, 4))
+        log.info("session_hibernated", session=session.session_id, bytes=written, seconds=round(seconds, 4))
         self.send(
             route,
             Op.FINAL,
             env.request_id,
-            session.id,
-            p.Hibernated(session_id=session.id, bytes=written, seconds=seconds),
+            session.session_id,
+            p.Hibernated(session_id=session.session_id, bytes=written, seconds=seconds),
         )
 
-    def drop(self, session: Session) -> None:
+    def drop(self, session: LiveSession) -> None:
         """Forget a live session and free its slab (its record stays)."""
-        self.jobs.pop(session.id, None)
-        del self.sessions[session.id]
+        self.jobs.pop(session.session_id, None)
+        del self.sessions[session.session_id]
         self.pool.give_back()
         mx.clear_cache()
 

@@ -13,7 +13,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
 import zmq
@@ -21,6 +21,7 @@ import zmq
 from kvmux import keys, logs, paths
 from kvmux import protocol as p
 from kvmux.protocol import Op
+from kvmux.settings import AtLeastOne, Count, NonNegative, WorkerSettings, doc
 
 from . import control
 
@@ -31,25 +32,39 @@ log = logs.get("worker")
 SEND_HWM = 10_000
 
 
-@dataclass
-class WorkerConfig:
-    connect: str
-    slabs: int = 4
-    model: str | None = None
-    sink: int = 4
-    window: int = 2048
-    worker_id: str | None = None
-    heartbeat_s: float = p.HEARTBEAT_INTERVAL_S
-    grace_s: float = 30.0  # drain: how long running generations may finish
-    state_dir: str = field(default_factory=lambda: str(paths.state_dir()))  # the session store
-    max_tokens_limit: int = p.DEFAULT_MAX_TOKENS_LIMIT
-    max_append_tokens: int = p.DEFAULT_MAX_APPEND_TOKENS
-    server_key: str = ""  # the broker's CURVE public key (z85 or its .key file): CURVE on
-    curve_secret: str = ""  # this worker's secret key (z85 or a .key_secret file)
-    chat_template: str | None = None  # a Jinja file replacing the model's chat template
-    draft_model: str | None = None  # a draft model for speculative decoding
-    draft_quantized: bool = False  # keep the draft's quantized weights (smaller; slower on a CPU)
-    batch_invariant: bool = False  # pad passes whatever it costs (worker/padding.py)
+class WorkerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
+    """`kvmux worker`'s settings: WorkerSettings, which `kvmux serve` gives
+    its local workers too, then this worker's own."""
+
+    connect: Annotated[
+        str,
+        doc(
+            "Broker backend endpoint (ipc:// or tcp://).",
+            "the local daemon's: $KVMUX_BACKEND, else backend.ipc in the runtime dir",
+        ),
+    ] = ""
+    sink: Annotated[Count, doc("Largest attention-sink size a session may ask for (and the default).")] = 4
+    window: Annotated[AtLeastOne, doc("Largest sliding window a session may ask for (and the default).")] = 2048
+    worker_id: Annotated[str | None, doc("Routing id shown in stats.", "HOST-PID")] = None
+    grace_s: Annotated[
+        NonNegative, doc("On SIGTERM, how long running generations may finish before they are cancelled.")
+    ] = 30.0
+    server_key: Annotated[
+        str,
+        doc("The broker's CURVE public key (z85, or its .key file): connect with CURVE.", envvar="KVMUX_SERVER_KEY"),
+    ] = ""
+    curve_secret: Annotated[
+        str,
+        doc(
+            "This worker's CURVE secret key: its NAME.key_secret file (the broker's --worker-keys holds NAME.key),"
+            " or the z85 key.",
+            envvar="KVMUX_CURVE_SECRET",
+        ),
+    ] = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.connect = self.connect or paths.default_backend()
 
 
 class Worker:
@@ -76,7 +91,7 @@ class Worker:
         try:
             import mlx.core as mx
 
-            from kvmux.store import Store, store_id
+            from kvmux.sessions import LocalStore
 
             from .drafter import check_tokenizers
             from .engine import PREFILL_CHUNK, Engine
@@ -103,7 +118,7 @@ class Worker:
                 most_rows=self.config.slabs * (MAX_DRAFT + 1) + PREFILL_CHUNK,
                 batch_invariant=self.config.batch_invariant,
             )
-            store = Store(self.config.state_dir)
+            store = LocalStore(self.config.state_dir)
             scheduler = Scheduler(
                 engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe, store=store
             )
@@ -117,7 +132,7 @@ class Worker:
                 pid=os.getpid(),
                 host=socket.gethostname(),
                 free_slabs=self.config.slabs,
-                store=store_id(self.config.state_dir),
+                store=store.store_id,
                 compute=compute_info(str(mx.default_device()), engine.padding),
             )
             pipe.send_multipart([control.LOADED, p.encode(ready)])

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -25,19 +27,17 @@ class AsyncStream(core.StreamBase):
     it ends. The request goes out on the first `__anext__` (`request_id` is
     None until then)."""
 
-    def __init__(self, session: AsyncSession, body: p.Generate, timeout: float | None):
-        self.session = session
-        self._body = body
-        self._timeout = timeout
+    def __init__(self, link: core.Link, start: Callable[[], calls.Steps]):
+        self._link = link
+        self._start = start  # the steps that send the request and return its reader
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> p.Chunk:
-        client = self.session.client
         if self._reader is None:
-            self._reader = await client._run(self.session._start(self._body, self._timeout))
-        chunk = await client._run(self._reader.next())
+            self._reader = await self._link.run(self._start())
+        chunk = await self._link.run(self._reader.next())
         if chunk is None:
             raise StopAsyncIteration
         return chunk
@@ -45,7 +45,7 @@ class AsyncStream(core.StreamBase):
     async def aclose(self) -> None:
         """Cancel the generation if it runs and wait for its end."""
         if self._reader is not None:
-            await self.session.client._run(self._reader.drain())
+            await self._link.run(self._reader.drain())
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -64,7 +64,8 @@ class AsyncSession(core.SessionCore):
         return self.generate(timeout=timeout, **core.chat_options(text, options))
 
     def generate(self, *, timeout: float | None = None, **options: Any) -> AsyncStream:
-        return AsyncStream(self, self._generate_body(options), timeout)
+        body = self._generate_body(options)
+        return AsyncStream(self._link, lambda: self._start(body, timeout))
 
     async def append(
         self,
@@ -73,16 +74,16 @@ class AsyncSession(core.SessionCore):
         token_ids: list[int] | None = None,
         timeout: float | None = None,
     ) -> p.Appended:
-        return await self.client._run(self._append(messages, token_ids, timeout))
+        return await self._link.run(self._append(messages, token_ids, timeout))
 
     async def cancel(self, *, timeout: float | None = None) -> p.Ack:
-        return await self.client._call(*self._cancel_request(), timeout)
+        return await self._link.run(self._cancel(timeout))
 
     async def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
-        return await self.client._call(*self._info_request(token_ids), timeout)
+        return await self._link.run(self._info(token_ids, timeout))
 
     async def close(self, *, timeout: float | None = None) -> p.Closed | None:
-        return await self.client._run(self._close(timeout))
+        return await self._link.run(self._close(timeout))
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -175,10 +176,10 @@ class AsyncClient(core.ClientCore):
         except StopIteration as stop:
             return stop.value
 
-    async def _call(self, op: str, session_id: str, body: Any, timeout: float | None) -> Any:
+    async def _call(self, op: str, session_id: str, body: msgspec.Struct, timeout: float | None) -> Any:
         return await self._run(self._ask(op, session_id, body, timeout))
 
-    def _post(self, parts: list[bytes]) -> None:
+    def _post(self, frames: list[bytes]) -> None:
         # The send is scheduled on the loop, so this works from a finalizer
         # or another thread, and a send blocked at the HWM is bounded by the
         # caller's wait like any other.
@@ -186,7 +187,7 @@ class AsyncClient(core.ClientCore):
             self._loop = asyncio.get_running_loop()
             self._receiver = self._loop.create_task(self._receive())
         try:
-            self._loop.call_soon_threadsafe(self._socket.send_multipart, parts)
+            self._loop.call_soon_threadsafe(self._socket.send_multipart, frames)
         except RuntimeError:  # the loop is closed (a late finalizer)
             pass
 

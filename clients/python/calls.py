@@ -1,14 +1,19 @@
-"""Requests in flight: the table that routes each reply frame to the queue
-of its request, and the `Wait` through which core.py's steps ask their shell
-for the next reply (see core.py)."""
+"""Requests in flight: the table that routes each reply to the queue of its
+request, and the `Wait` through which core.py's steps ask their shell for
+the next reply (see core.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import queue
 from collections.abc import Generator
 from typing import Any, NamedTuple
 
 from . import errors, wire
+
+# A request's replies as they arrive: the sync shell's queue or the asyncio one's.
+Replies = queue.SimpleQueue[wire.Reply] | asyncio.Queue[wire.Reply]
 
 
 class Calls:
@@ -16,25 +21,25 @@ class Calls:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-        self._queues: dict[int, Any] = {}
-        self.heard = False  # any frame from the broker yet: a silent one may have refused our keys
+        self._queues: dict[int, Replies] = {}
+        self.heard = False  # anything from the broker yet: a silent one may have refused our keys
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def add(self, rid: int, replies: Any) -> None:
+    def add(self, rid: int, replies: Replies) -> None:
         self._queues[rid] = replies
 
-    def pop(self, rid: int) -> Any:
+    def pop(self, rid: int) -> Replies | None:
         """Forget a request (answered, timed out or unsendable); its queue or None."""
         return self._queues.pop(rid, None)
 
-    def deliver(self, parts: list[bytes]) -> None:
-        """Put a reply frame on its request's queue: a PARTIAL keeps the
-        request, the last reply (FINAL or ERROR) forgets it. Unreadable
-        replies, and replies to forgotten requests, are dropped."""
+    def deliver(self, frames: list[bytes]) -> None:
+        """Put a reply on its request's queue: a PARTIAL keeps the request,
+        the last reply (FINAL or ERROR) forgets it. Unreadable replies, and
+        replies to forgotten requests, are dropped."""
         self.heard = True
-        reply = wire.parse(parts)
+        reply = wire.parse(frames)
         if reply is None:
             return
         rid = reply.request_id
@@ -49,7 +54,7 @@ class Wait(NamedTuple):
     """What steps ask of their shell: the next reply on `replies` within
     `timeout` seconds, or else `expired()` thrown back in."""
 
-    replies: Any
+    replies: Replies
     timeout: float
     what: str
     request_id: int

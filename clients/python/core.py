@@ -8,6 +8,7 @@ the wait (a timeout, a cancelled task, Ctrl-C) to clean up after. A shell
 supplies only its transport and how it waits: sync.py blocks on a
 `queue.SimpleQueue` its I/O thread fills, aio.py awaits an `asyncio.Queue`
 its zmq.asyncio task fills. Each public method is one line that runs steps.
+Sessions and streams use their client only through its `Link`.
 
 The two differ only where the event loop forces it: `AsyncSession.generate()`
 is not a coroutine, so it can neither drain the previous stream nor send; its
@@ -18,35 +19,71 @@ session and the client in `generate()`, so a closed one raises there.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgspec
 import zmq
 
 from kvmux import keys, paths
 from kvmux import protocol as p
 
 from . import errors, wire
-from .calls import Calls, Steps, Wait
+from .calls import Calls, Replies, Steps, Wait
+
+# A request before it has an id: its op, the session it addresses ("" for
+# none) and its body.
+Request = tuple[str, str, msgspec.Struct]
 
 # ------------------------------------------------------------------ client
 
 
+class Link(NamedTuple):
+    """A client as its sessions and streams use it, and all they may use of
+    it. The client fills it with its private methods: public ones would join
+    its API."""
+
+    run: Callable[[Steps], Any]  # the shell's: the steps' result, or (asyncio) an awaitable of it
+    check_open: Callable[[], None]  # raises once the client is closed
+    request: Callable[[str, str, msgspec.Struct], tuple[int, Replies]]  # sends; its id and its replies' queue
+    ask: Callable[[str, str, msgspec.Struct, float | None], Steps]  # a request, then its reply unwrapped
+    send: Callable[[Callable[[int], list[bytes]]], None]  # frames for a fresh id, no reply awaited
+    wait: Callable[[Replies, float | None, str, int, str], Wait]  # with the client's default timeout and hint
+    forget: Callable[[int], Replies | None]  # a request whose replies nobody reads any more
+    detach: Callable[[str], None]  # a session the client's close leaves open
+
+
 class ClientCore:
     """A client's state and the steps of its calls. A shell sets
-    `_session_class` and `_queue_class`, and supplies `_post` and a `_run`
-    that drives steps to their result."""
+    `_session_class` and `_queue_class`, and supplies `_post` and `_run`."""
 
     _session_class: type[SessionCore]
-    _queue_class: type
+    _queue_class: Callable[[], Replies]
 
-    def __init__(self, endpoint: str | None, timeout: float, server_key: Any = None, secret_key: Any = None):
+    def __init__(
+        self,
+        endpoint: str | None,
+        timeout: float,
+        server_key: str | os.PathLike | None,
+        secret_key: str | os.PathLike | None,
+    ):
         self.endpoint = endpoint or paths.default_frontend()
         self.timeout = timeout
         self._calls = Calls()
         self._sessions: dict[str, SessionCore] = {}
         self._closed = False
         self._server_key, self._secret_key = server_key, secret_key
+        self.link = Link(
+            run=self._run,
+            check_open=self._check_open,
+            request=self._request,
+            ask=self._ask,
+            send=self._send,
+            wait=self._wait,
+            forget=self._calls.pop,
+            detach=self._detach,
+        )
 
     def _connect(self, sock: zmq.Socket) -> None:
         """With `server_key`, CURVE: the broker is authenticated and the
@@ -60,7 +97,7 @@ class ClientCore:
                 raise errors.InvalidArgument(str(exc)) from None
         sock.connect(self.endpoint)
 
-    def _silence(self) -> str:
+    def _hint(self) -> str:
         """Why a broker that never answered may be silent: a CURVE handshake
         that failed looks, from here, just like a broker that is not there."""
         if self._calls.heard:
@@ -71,9 +108,14 @@ class ClientCore:
             return f"no answer from {self.endpoint}: is it running, and does it require CURVE keys (server_key=)?"
         return f"no answer from {self.endpoint}: is the broker running?"
 
-    def _post(self, parts: list[bytes]) -> None:
+    def _post(self, frames: list[bytes]) -> None:
         """Hand frames to the socket, without blocking, from any thread or
         from a finalizer (a dropped stream's cancel)."""
+        raise NotImplementedError
+
+    def _run(self, steps: Steps) -> Any:
+        """Run steps to their result, waiting for each reply they ask for
+        (asyncio: a coroutine)."""
         raise NotImplementedError
 
     def _check_open(self) -> None:
@@ -83,30 +125,33 @@ class ClientCore:
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
 
-    def _request(self, op: str, session_id: str, body: Any) -> tuple[int, Any]:
+    def _request(self, op: str, session_id: str, body: msgspec.Struct) -> tuple[int, Replies]:
         """Send a request; its replies arrive on the returned queue."""
         self._check_open()
         rid = self._calls.next_id()
-        parts = wire.frames(op, rid, session_id, body)  # before listing it: a body may fail to encode
+        frames = wire.request_frames(op, rid, session_id, body)  # before listing it: a body may fail to encode
         replies = self._queue_class()
         self._calls.add(rid, replies)
-        self._post(parts)
+        self._post(frames)
         return rid, replies
 
-    def _send(self, parts_for_id: Callable[[int], list[bytes]]) -> None:
-        """Send a frame whose reply nobody waits for (cancel, credit)."""
+    def _send(self, frames_for: Callable[[int], list[bytes]]) -> None:
+        """Send a request whose reply nobody waits for (cancel, credit)."""
         if not self._closed:
-            self._post(parts_for_id(self._calls.next_id()))
+            self._post(frames_for(self._calls.next_id()))
 
-    def _answer(self, rid: int, replies: Any, timeout: float | None, what: str, session_id: str = "") -> Steps:
+    def _wait(self, replies: Replies, timeout: float | None, what: str, rid: int, session_id: str) -> Wait:
+        return Wait(replies, self._timeout(timeout), what, rid, session_id, self._hint())
+
+    def _answer(self, rid: int, replies: Replies, timeout: float | None, what: str, session_id: str = "") -> Steps:
         """The reply to a request, unwrapped; the request is forgotten
         however the wait ends."""
         try:
-            return wire.unwrap((yield Wait(replies, self._timeout(timeout), what, rid, session_id, self._silence())))
+            return wire.unwrap((yield self._wait(replies, timeout, what, rid, session_id)))
         finally:
             self._calls.pop(rid)
 
-    def _ask(self, op: str, session_id: str, body: Any, timeout: float | None) -> Steps:
+    def _ask(self, op: str, session_id: str, body: msgspec.Struct, timeout: float | None) -> Steps:
         rid, replies = self._request(op, session_id, body)
         return (yield from self._answer(rid, replies, timeout, op, session_id))
 
@@ -119,11 +164,14 @@ class ClientCore:
     def _resume(self, session_id: str, timeout: float | None) -> Steps:
         return self._session((yield from self._ask(p.Op.RESUME, session_id, p.Resume(), timeout)))
 
-    def _session(self, opened: p.SessionOpened) -> Any:
+    def _session(self, opened: p.SessionOpened) -> SessionCore:
         session = self._sessions.get(opened.session_id)
         if session is None:
             session = self._sessions[opened.session_id] = self._session_class(self, opened)
         return session
+
+    def _detach(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
 
     def _close_sessions(self) -> Steps:
         """Close this client's sessions (best effort), then refuse new calls."""
@@ -135,19 +183,19 @@ class ClientCore:
         self._closed = True
 
 
-def stats_request() -> tuple:
+def stats_request() -> Request:
     return p.Op.STATS, "", p.Stats()
 
 
-def ping_request() -> tuple:
+def ping_request() -> Request:
     return p.Op.PING, "", p.Ping()
 
 
-def drain_request(grace_s: float | None) -> tuple:
+def drain_request(grace_s: float | None) -> Request:
     return p.Op.DRAIN, "", p.Drain(grace_s=grace_s)
 
 
-def list_sessions_request() -> tuple:
+def list_sessions_request() -> Request:
     return p.Op.SESSIONS, "", p.ListSessions()
 
 
@@ -157,23 +205,24 @@ def list_sessions_request() -> tuple:
 class SessionCore:
     """A session's state and the steps of its calls."""
 
-    def __init__(self, client: Any, opened: p.SessionOpened):
+    def __init__(self, client: ClientCore, opened: p.SessionOpened):
         self.client = client
         self.opened = opened
         self.id = opened.session_id
         self.closed = False
+        self._link = client.link
         self._reader: StreamReader | None = None  # the last stream, drained before the next call
 
     def detach(self) -> None:
         """Keep the session in the daemon when this client closes (a client's
         close() closes the sessions it opened or resumed); resume it later
         by its id, from any client."""
-        self.client._sessions.pop(self.id, None)
+        self._link.detach(self.id)
 
     def _check_open(self) -> None:
         if self.closed:
             raise errors.SessionNotFound(f"session {self.id} was closed", session_id=self.id)
-        self.client._check_open()
+        self._link.check_open()
 
     def _generate_body(self, options: dict) -> p.Generate:
         self._check_open()
@@ -193,27 +242,27 @@ class SessionCore:
     def _start(self, body: p.Generate, timeout: float | None) -> Steps:
         """Send a GENERATE; returns its StreamReader."""
         yield from self._settle()
-        rid, replies = self.client._request(p.Op.GENERATE, self.id, body)
+        rid, replies = self._link.request(p.Op.GENERATE, self.id, body)
         self._reader = StreamReader(self.client, rid, self.id, body.credit, replies, timeout)
         return self._reader
 
     def _append(self, messages: wire.MessagesLike | None, token_ids: list[int] | None, timeout: float | None) -> Steps:
         yield from self._settle()
-        return (yield from self.client._ask(p.Op.APPEND, self.id, wire.append_body(messages, token_ids), timeout))
+        return (yield from self._link.ask(p.Op.APPEND, self.id, wire.append_body(messages, token_ids), timeout))
+
+    def _cancel(self, timeout: float | None) -> Steps:
+        return self._link.ask(p.Op.CANCEL, self.id, p.Cancel(), timeout)
+
+    def _info(self, token_ids: bool, timeout: float | None) -> Steps:
+        return self._link.ask(p.Op.INFO, self.id, p.Info(token_ids=token_ids), timeout)
 
     def _close(self, timeout: float | None) -> Steps:
         if self.closed:
             return None
         yield from self._settle()
         self.closed = True
-        self.client._sessions.pop(self.id, None)
-        return (yield from self.client._ask(p.Op.CLOSE, self.id, p.Close(), timeout))
-
-    def _cancel_request(self) -> tuple:
-        return p.Op.CANCEL, self.id, p.Cancel()
-
-    def _info_request(self, token_ids: bool) -> tuple:
-        return p.Op.INFO, self.id, p.Info(token_ids=token_ids)
+        self._link.detach(self.id)
+        return (yield from self._link.ask(p.Op.CLOSE, self.id, p.Close(), timeout))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.id!r}, worker={self.opened.worker_id!r})"
@@ -230,8 +279,16 @@ class StreamReader:
     """The consuming side of one generate stream. The session keeps it (not
     the user's stream object) so it can drain a stream its user dropped."""
 
-    def __init__(self, client: Any, request_id: int, session_id: str, credit: int, replies: Any, timeout: float | None):
-        self.client = client
+    def __init__(
+        self,
+        client: ClientCore,
+        request_id: int,
+        session_id: str,
+        credit: int,
+        replies: Replies,
+        timeout: float | None,
+    ):
+        self.link = client.link
         self.state = wire.StreamState(request_id, session_id, credit)
         self.replies = replies
         self.timeout = timeout
@@ -243,20 +300,12 @@ class StreamReader:
         state = self.state
         if state.done:
             return None
-        client = self.client
-        wait = Wait(
-            self.replies,
-            client._timeout(self.timeout),
-            "generate",
-            state.request_id,
-            state.session_id,
-            client._silence(),
-        )
+        wait = self.link.wait(self.replies, self.timeout, "generate", state.request_id, state.session_id)
         try:
             reply = yield wait
         except errors.Timeout:
             state.done = True
-            self.client._calls.pop(state.request_id)
+            self.link.forget(state.request_id)
             self.cancel()
             raise
         except BaseException:
@@ -265,7 +314,7 @@ class StreamReader:
         chunk = state.take(reply)
         n = state.grant()
         if n:
-            self.client._send(lambda rid: state.credit_frames(n, rid))
+            self.link.send(lambda rid: state.credit_frames(n, rid))
         return chunk
 
     def drain(self) -> Steps:
@@ -277,7 +326,7 @@ class StreamReader:
 
     def cancel(self) -> None:
         if not self.state.cancel_sent:
-            self.client._send(self.state.cancel_frames)
+            self.link.send(self.state.cancel_frames)
 
 
 class StreamBase:

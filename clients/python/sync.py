@@ -15,6 +15,7 @@ import queue
 import threading
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvmux import protocol as p
@@ -34,7 +35,7 @@ class Stream(core.StreamBase):
         return self
 
     def __next__(self) -> p.Chunk:
-        chunk = self._reader.client._run(self._reader.next())
+        chunk = self._reader.link.run(self._reader.next())
         if chunk is None:
             raise StopIteration
         return chunk
@@ -42,7 +43,7 @@ class Stream(core.StreamBase):
     def close(self) -> None:
         """Cancel the generation if it still runs and wait for its end, so the
         session is ready for the next turn."""
-        self._reader.client._run(self._reader.drain())
+        self._reader.link.run(self._reader.drain())
 
     def __enter__(self) -> Stream:
         return self
@@ -68,7 +69,7 @@ class Session(core.SessionCore):
         """Stream a generation. Options: max_tokens, temperature, top_p, top_k,
         seed, stop, speculative (auto | off | lookup | draft), messages
         (appended first), credit (0 = no flow control)."""
-        return Stream(self.client._run(self._start(self._generate_body(options), timeout)))
+        return Stream(self._link.run(self._start(self._generate_body(options), timeout)))
 
     def append(
         self,
@@ -78,20 +79,20 @@ class Session(core.SessionCore):
         timeout: float | None = None,
     ) -> p.Appended:
         """Append chat messages (rendered with the chat template) or raw token ids."""
-        return self.client._run(self._append(messages, token_ids, timeout))
+        return self._link.run(self._append(messages, token_ids, timeout))
 
     def cancel(self, *, timeout: float | None = None) -> p.Ack:
         """Cancel the running append/generate; the stream ends with stop_reason
         "cancelled" and the session stays usable."""
-        return self.client._call(*self._cancel_request(), timeout)
+        return self._link.run(self._cancel(timeout))
 
     def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
-        return self.client._call(*self._info_request(token_ids), timeout)
+        return self._link.run(self._info(token_ids, timeout))
 
     def close(self, *, timeout: float | None = None) -> p.Closed | None:
         """Free the session, its slab and its stored record (None if it was
         already closed here)."""
-        return self.client._run(self._close(timeout))
+        return self._link.run(self._close(timeout))
 
     def __enter__(self) -> Session:
         return self
@@ -192,11 +193,11 @@ class Client(core.ClientCore):
         except StopIteration as stop:
             return stop.value
 
-    def _call(self, op: str, session_id: str, body: Any, timeout: float | None) -> Any:
+    def _call(self, op: str, session_id: str, body: msgspec.Struct, timeout: float | None) -> Any:
         return self._run(self._ask(op, session_id, body, timeout))
 
-    def _post(self, parts: list[bytes] | None) -> None:
-        self._outbox.append(parts)  # None stops the I/O thread
+    def _post(self, frames: list[bytes] | None) -> None:
+        self._outbox.append(frames)  # None stops the I/O thread
         try:
             os.write(self._wake_w, b"\0")
         except OSError:  # pipe full (the thread wakes anyway), or closed under a late finalizer
@@ -217,28 +218,28 @@ class Client(core.ClientCore):
                         except BlockingIOError:
                             pass
                 while self._outbox:
-                    parts = self._outbox.popleft()
-                    if parts is None:
+                    frames = self._outbox.popleft()
+                    if frames is None:
                         return
-                    self._transmit(parts)
+                    self._transmit(frames)
         finally:
             self._socket.close()
 
-    def _transmit(self, parts: list[bytes]) -> None:
+    def _transmit(self, frames: list[bytes]) -> None:
         try:
-            self._socket.send_multipart(parts, flags=zmq.NOBLOCK)
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:  # this thread must not block: fail the request now, not at its timeout
-            rid = p.decode_envelope(parts[0]).request_id
+            rid = p.decode_envelope(frames[0]).request_id
             replies = self._calls.pop(rid)
             if replies is not None:
-                why = self._silence() or "is the broker reading?"  # e.g. a CURVE handshake that never completed
+                why = self._hint() or "is the broker reading?"  # e.g. a CURVE handshake that never completed
                 error = errors.Timeout(f"send queue full: {why}", request_id=rid)
-                replies.put(wire.Reply(p.Op.ERROR, rid, "", error))
+                replies.put_nowait(wire.Reply(p.Op.ERROR, rid, "", error))
 
     def _receive(self) -> None:
         while True:
             try:
-                parts = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._calls.deliver(parts)
+            self._calls.deliver(frames)

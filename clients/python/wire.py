@@ -1,5 +1,5 @@
 """The client's pure wire helpers: request bodies built from keyword options,
-reply frames parsed and unwrapped, and the bookkeeping of one generate stream
+replies parsed and unwrapped, and the bookkeeping of one generate stream
 (chunks, final result, credit). No sockets, no waiting: see core.py."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
+
+import msgspec
 
 from kvmux import protocol as p
 
@@ -57,7 +59,7 @@ def append_body(messages: MessagesLike | None = None, token_ids: list[int] | Non
     return p.Append(messages=chat_messages(messages), token_ids=list(token_ids or ()))
 
 
-def frames(op: str, request_id: int, session_id: str, body: Any) -> list[bytes]:
+def request_frames(op: str, request_id: int, session_id: str, body: msgspec.Struct) -> list[bytes]:
     return [p.envelope(op, request_id, session_id), p.encode(body)]
 
 
@@ -65,31 +67,31 @@ class Reply(NamedTuple):
     op: str
     request_id: int
     session_id: str
-    body: Any  # a ReplyBody, or a KvmuxError when the body did not decode
+    body: p.ReplyBody | errors.KvmuxError  # the error when the body did not decode
 
     @property
     def last(self) -> bool:
         return self.op != p.Op.PARTIAL
 
 
-def parse(parts: list[bytes]) -> Reply | None:
-    """A reply frame, or None (logged) when not even its envelope decodes."""
-    if len(parts) != 2:
-        log.warning("dropping reply with %d parts", len(parts))
+def parse(frames: list[bytes]) -> Reply | None:
+    """A reply, or None (logged) when not even its envelope decodes."""
+    if len(frames) != 2:
+        log.warning("dropping reply with %d frames", len(frames))
         return None
     try:
-        env = p.decode_envelope(parts[0])
+        env = p.decode_envelope(frames[0])
     except p.ProtocolError as exc:
         log.warning("dropping reply: %s", exc.message)
         return None
     try:
-        body: Any = p.decode_reply(parts[1])
+        body: p.ReplyBody | errors.KvmuxError = p.decode_reply(frames[1])
     except p.ProtocolError as exc:
         body = errors.ERRORS[exc.code](exc.message, request_id=env.request_id, session_id=env.session_id)
     return Reply(env.op, env.request_id, env.session_id, body)
 
 
-def unwrap(reply: Reply) -> Any:
+def unwrap(reply: Reply) -> p.ReplyBody:
     """The reply's body, or raise the exception its ERROR carries."""
     body = reply.body
     if isinstance(body, errors.KvmuxError):
@@ -140,8 +142,8 @@ class StreamState:
         return n
 
     def credit_frames(self, n: int, request_id: int) -> list[bytes]:
-        return frames(p.Op.CREDIT, request_id, self.session_id, p.Credit(request_id=self.request_id, n=n))
+        return request_frames(p.Op.CREDIT, request_id, self.session_id, p.Credit(request_id=self.request_id, n=n))
 
     def cancel_frames(self, request_id: int) -> list[bytes]:
         self.cancel_sent = True
-        return frames(p.Op.CANCEL, request_id, self.session_id, p.Cancel(request_id=self.request_id))
+        return request_frames(p.Op.CANCEL, request_id, self.session_id, p.Cancel(request_id=self.request_id))

@@ -6,7 +6,9 @@ load_prompt_cache finds each cache's class by name in mlx-lm's own module,
 so our SlabCache subclass cannot come back through it. The arrays and the
 rotating buffer's positions are stored as they are (not in temporal order),
 so the restored slab is the same buffer and every later step computes
-exactly what it would have.
+exactly what it would have. A slab is the worker's list of SlabCache
+layers (worker/slab.py: mlx-lm's RotatingKVCache with spare slots); this
+module reads and sets only the fields they share with it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvmux.store import atomic_file
-
-from .slab import SlabCache
+from .files import atomic_file
 
 
-def save(path: Path, slab: list[SlabCache], logits: mx.array | None) -> int:
+def save(path: Path, slab: list, logits: mx.array | None) -> int:
     """Write the snapshot atomically; returns its size in bytes."""
     arrays: dict[str, mx.array] = {}
     positions = []
@@ -37,7 +37,7 @@ def save(path: Path, slab: list[SlabCache], logits: mx.array | None) -> int:
     return path.stat().st_size
 
 
-def load(path: Path, slab: list[SlabCache]) -> tuple[list[SlabCache], mx.array | None]:
+def load(path: Path, slab: list) -> tuple[list, mx.array | None]:
     """`slab` (empty, as the session's settings make it) filled from the
     snapshot at `path`, and the logits saved with it; raises ValueError when
     the file does not hold a snapshot of that shape."""

@@ -25,9 +25,9 @@ def main() -> None:
 _COMMAND_MODULES = (
     "kvmux.broker.cli",  # serve, stats, drain
     "kvmux.worker.cli",  # worker
-    "kvmux.chat",  # chat
+    "kvmux.commands.chat",  # chat
     "kvmux.http.cli",  # http
-    "kvmux.doctor",  # doctor
+    "kvmux.commands.doctor",  # doctor
     "kvmux.bench.cli",  # bench ...
     "kvmux.launchd",  # launchd install/uninstall
 )

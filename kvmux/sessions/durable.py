@@ -1,0 +1,111 @@
+"""A live session to its record and back.
+
+A worker saves a session after every request (`save`): its record, and a
+slab snapshot when the session hibernates or more than
+SNAPSHOT_AFTER_CHUNKS chunks have run since the last one. A restore
+(`restorable`, then worker/restore.py) loads the last snapshot, or starts
+from an empty slab, and runs the tokens that came after it through the slab
+again in the chunks they first ran in (`replay`): the same shapes through
+the same model compute the same keys and values, so the restored slab and
+logits equal the lost ones bit for bit, for a session that decoded alone.
+(A decode step batched with other sessions reduces in another order;
+replaying it alone can differ in the last bits.)
+
+No MLX is imported here: a live session is the worker's, seen as `Live`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from kvmux.protocol import ChatMessage, ErrorCode, ProtocolError
+
+from .record import SessionRecord, StoreError, state_fields
+from .store import SessionStore
+
+
+class Conversation(Protocol):
+    """worker/conversation.py's Conversation, as a record keeps it."""
+
+    messages: list[dict[str, str]]
+    rendered: str
+    kwargs: dict[str, Any]
+
+
+class Live(Protocol):
+    """worker/engine.py's LiveSession as this module uses it: a SessionState
+    (every field of which goes into the record) with its slab, the logits
+    after its last token and its conversation."""
+
+    session_id: str
+    history: list[int]
+    pending: list[int]
+    snapshot: str | None
+    snapshot_tokens: int
+    replay: list[int]
+    slab: list
+    logits: Any  # mx.array | None
+    conversation: Conversation
+
+
+# A crash replays at most this many forward passes (a decode step is one).
+SNAPSHOT_AFTER_CHUNKS = 64
+
+
+def record_of(session: Live, model_id: str) -> SessionRecord:
+    """The record of a live session."""
+    conv = session.conversation
+    return SessionRecord(
+        **state_fields(session),
+        model=model_id,
+        updated=time.time(),
+        tokens=len(session.history) + len(session.pending),
+        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in conv.messages],
+        rendered=conv.rendered,
+        chat_template_kwargs=conv.kwargs,
+    )
+
+
+def save(store: SessionStore, session: Live, model_id: str, *, snapshot_now: bool = False) -> int:
+    """Write the session's record (first a slab snapshot when asked or when
+    the replay has grown long); returns the bytes written."""
+    written = 0
+    snapshotting = snapshot_now or len(session.replay) > SNAPSHOT_AFTER_CHUNKS
+    if snapshotting:
+        name, size = store.save_snapshot(session.session_id, session.slab, session.logits)
+        session.snapshot, session.snapshot_tokens, session.replay = name, len(session.history), []
+        written += size
+    written += store.save(record_of(session, model_id))
+    if snapshotting:  # only now, with the record naming the new one, may the old go
+        store.prune_snapshots(session.session_id, session.snapshot)
+    return written
+
+
+def restorable(store: SessionStore, session_id: str, model_id: str) -> SessionRecord:
+    """The record to restore a session from, checked; raises ProtocolError
+    (session_not_found, session_corrupt)."""
+    try:
+        if not store.exists(session_id):
+            raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
+        record = store.load(session_id)
+    except StoreError as exc:
+        raise ProtocolError(ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: {exc}") from None
+    if record.model != model_id:
+        raise ProtocolError(
+            ErrorCode.SESSION_CORRUPT, f"session {session_id} was made with {record.model}, this worker runs {model_id}"
+        )
+    tail = len(record.history) - record.snapshot_tokens
+    if sum(record.replay) != tail or not (0 <= record.snapshot_tokens <= len(record.history)):
+        raise ProtocolError(ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: its replay does not add up")
+    return record
+
+
+def conversation_of(record: SessionRecord) -> tuple[list[dict[str, str]], str, dict[str, Any]]:
+    """The record's conversation as the worker's Conversation takes it:
+    (messages, rendered text, template kwargs)."""
+    return (
+        [{"role": m.role, "content": m.content} for m in record.messages],
+        record.rendered,
+        record.chat_template_kwargs,
+    )

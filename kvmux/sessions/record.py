@@ -1,0 +1,95 @@
+"""A session's durable record: what outlives the worker, the broker and the
+daemon. Its fields are declared once, here.
+
+`SessionState` is what a live session carries and its record keeps as it
+is: the worker's live session (worker/engine.py: `LiveSession`) is a
+subclass, so turning one into the other is a copy of these fields by name
+(`state_fields`), never a hand-written list. `SessionRecord` adds what the
+record derives from the live session when it is written (the model, the
+conversation, the time). `RecordHead` is the part the broker reads of every
+record, a projection of `SessionRecord`: msgspec skips the rest unread.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from kvmux.protocol import ChatMessage, Sampling
+
+RECORD_VERSION = 1
+_SESSION_ID = re.compile(r"^[0-9a-f]{32}$")  # the broker's uuid4().hex
+
+
+def is_session_id(value: object) -> bool:
+    return isinstance(value, str) and _SESSION_ID.fullmatch(value) is not None
+
+
+class StoreError(Exception):
+    """A record that is missing, truncated or not a kvmux record."""
+
+
+class SessionState(msgspec.Struct, kw_only=True):
+    session_id: str
+    sink: int
+    window: int
+    owner: str = ""  # the identity the per-client quota (and, with CURVE, ownership) counts
+    created: float = 0.0  # wall-clock seconds
+    sampling: Sampling | None = None  # the session's defaults (OpenSession.sampling)
+    history: list[int] = []  # every token fed into the slab, those the window dropped too
+    pending: list[int] = []  # appended, not fed yet
+    raw: bool = False  # the last append was raw token ids: generate continues them, no template
+    snapshot: str | None = None  # slab snapshot holding the first `snapshot_tokens` of history
+    snapshot_tokens: int = 0
+    replay: list[int] = []  # sizes of the chunks fed since the snapshot, in order
+    restores: int = 0
+    last_restore_s: float = 0.0
+
+
+class SessionRecord(SessionState, kw_only=True):
+    version: int = RECORD_VERSION
+    model: str
+    updated: float  # wall-clock seconds
+    tokens: int = 0  # len(history) + len(pending), readable without decoding them
+    system: str | None = None
+    messages: list[ChatMessage] = []
+    rendered: str = ""  # the conversation's text fed so far (template pieces, replies as generated)
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+def state_fields(state: SessionState) -> dict[str, Any]:
+    """`state`'s SessionState fields by name (lists copied): what a record
+    takes from a live session and a restored session from its record."""
+    fields = {name: getattr(state, name) for name in SessionState.__struct_fields__}
+    return {name: list(value) if isinstance(value, list) else value for name, value in fields.items()}
+
+
+def _projection(name: str, of: type[msgspec.Struct], fields: tuple[str, ...], doc: str) -> type[msgspec.Struct]:
+    """A Struct of some of `of`'s fields, with their types and defaults."""
+    info = {f.name: f for f in msgspec.structs.fields(of)}
+    spec = [(f, info[f].type) if info[f].required else (f, info[f].type, info[f].default) for f in fields]
+    projected = msgspec.defstruct(name, spec, kw_only=True, module=__name__)
+    projected.__doc__ = doc
+    return projected
+
+
+RecordHead = _projection(
+    "RecordHead",
+    SessionRecord,
+    ("session_id", "model", "owner", "created", "updated", "sink", "window", "tokens"),
+    "What the broker needs of a record.",
+)
+
+encode = msgspec.msgpack.Encoder().encode
+_record_decoder = msgspec.msgpack.Decoder(SessionRecord)
+_head_decoder = msgspec.msgpack.Decoder(RecordHead)
+
+
+def decode_record(data: bytes) -> SessionRecord:
+    return _record_decoder.decode(data)
+
+
+def decode_head(data: bytes) -> RecordHead:
+    return _head_decoder.decode(data)
