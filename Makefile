@@ -30,7 +30,7 @@ $(VENV)/.setup: pyproject.toml scripts/system-deps
 # The tests and benches also compare with transformers' own GGUF model
 # loading (torch, from .setup).
 $(VENV)/.test-setup: $(VENV)/.setup
-	@scripts/system-deps --node
+	@scripts/system-deps --test
 	@$(PIP) install -e '.[worker,bench,http,test]'
 	@touch $@
 

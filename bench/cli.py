@@ -12,7 +12,7 @@ import typer
 
 KERNELS_DEFAULT = "native,haswell"
 KERNELS_HELP = "BLAS kernel families, each measured in a run of its own: native (the CPU's), haswell (AVX2 forced)."
-SESSION_PHASES = ("hibernating", "resident", "restore_vs_prefill", "crash_recovery")  # bench sessions, in run order
+SESSION_PHASES = ("hibernating", "resident", "restore_vs_prefill", "migration", "crash_recovery")  # in run order
 
 bench_app = typer.Typer(
     help="Soak and performance benches; each writes a JSON report and a PNG plot.", no_args_is_help=True
@@ -286,21 +286,32 @@ def sessions(
     max_tokens: int = typer.Option(8, help="Tokens per reply."),
     repeats: int = typer.Option(3, help="Restore vs re-prefill pairs of a full default window, and worker kills."),
     phases: str = typer.Option(",".join(SESSION_PHASES), help="Phases to run, comma-separated."),
+    stores: str = typer.Option("local,redis", help="Session stores to run each phase on: local, redis."),
     output: Path = typer.Option(Path("sessions.json"), help="Report path."),
 ) -> None:
-    """Many sessions over few slabs: per-turn latency split into restore and turn, restore vs re-prefill, bytes per session."""
+    """Many sessions over few slabs, per session store: turn latency split into restore and turn, restore vs re-prefill, migration between workers, bytes per session."""
     from kvmux import logs
 
-    from .sessions import run
+    from .sessions import STORES, run
 
     chosen = tuple(p.strip() for p in phases.split(",") if p.strip())
     if unknown := sorted(set(chosen) - set(SESSION_PHASES)):
         raise typer.BadParameter(f"unknown phase {', '.join(unknown)} (phases: {', '.join(SESSION_PHASES)})")
+    kinds = tuple(s.strip() for s in stores.split(",") if s.strip())
+    if unknown := sorted(set(kinds) - set(STORES)):
+        raise typer.BadParameter(f"unknown store {', '.join(unknown)} (stores: {', '.join(STORES)})")
     logs.configure()
     doc = run(
-        output, sessions=sessions, slabs=slabs, turns=turns, max_tokens=max_tokens, repeats=repeats, phases=chosen
+        output,
+        sessions=sessions,
+        slabs=slabs,
+        turns=turns,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        phases=chosen,
+        stores=kinds,
     )
-    typer.echo(json.dumps({k: doc[k] for k in chosen}, indent=1))
+    typer.echo(json.dumps({k: doc[k] for k in ("stores", "crash_recovery") if k in doc}, indent=1))
     typer.echo(f"report: {output}")
 
 

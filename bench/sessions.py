@@ -15,14 +15,25 @@
   the time from the kill to the next turn served (the restart's backoff, the
   model load, the restore), and whether that turn equals a control
   session's.
+- migration: two workers of one slab each; a session live on one is
+  hibernated and its next turn restored on the other: restore time and
+  the turn's latency.
+
+Every phase runs once per session store (`--stores local,redis`): the
+state dir's directory, and a private redis-server (bench/redis_server.py)
+that every worker shares. Hibernations are timed from the workers' own
+HIBERNATED answers, as the broker logs them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -30,7 +41,10 @@ from tqdm import tqdm
 from kvmux.client import Client, KvmuxError
 
 from . import spawn
+from .redis_server import redis_server
 from .report import latency_summary, machine, now_iso, write_json_atomic
+
+STORES = ("local", "redis")
 
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs each evening, trimmed the wick, polished the lens and "
@@ -100,6 +114,52 @@ def restore_vs_prefill(frontend: str, tokens: int, repeats: int) -> dict:
     }
 
 
+def migration(frontend: str, repeats: int) -> dict:
+    """A session moved between two one-slab workers: opened and used on one,
+    hibernated for another session, restored on the other (its only free
+    slab) by its next turn."""
+    restore_s, turn_s, moved = [], [], 0
+    with Client(frontend, timeout=600) as client:
+        for _ in tqdm(range(repeats), desc="migration", unit="move"):
+            session = client.open_session(system="Be brief.")
+            _reply(session, "Name a fruit.")
+            elsewhere = client.open_session()  # the other worker's slab
+            pusher = client.open_session()  # no slab free: `session`, idle longest, hibernates
+            elsewhere.close()  # now the only free slab is on the other worker
+            start = time.perf_counter()
+            _reply(session, "Name a colour.")
+            turn_s.append(time.perf_counter() - start)
+            info = session.info()
+            restore_s.append(info.last_restore_s)
+            moved += info.worker_id != session.opened.worker_id
+            pusher.close()
+            session.close()
+    return {"restore_s": _spread(restore_s), "turn_s": _spread(turn_s), "moved": moved, "n": repeats}
+
+
+def hibernations(log: Path) -> dict | None:
+    """Seconds and bytes of the hibernations in a daemon's log."""
+    events = []
+    for line in log.read_text(errors="replace").splitlines():
+        if '"session_hibernated"' in line and '"bytes"' in line:
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    if not events:
+        return None
+    seconds = [e["seconds"] for e in events]
+    return {"seconds": latency_summary([1000 * s for s in seconds]), "bytes": _spread([e["bytes"] for e in events])}
+
+
+@contextlib.contextmanager
+def store_args(store: str) -> Iterator[tuple[str, ...]]:
+    """`kvmux serve` options for a session store of that kind."""
+    if store == "local":
+        yield ()
+        return
+    with redis_server() as server:
+        yield ("--store", server.url)
+
+
 def crash_recovery(repeats: int) -> dict:
     """Seconds from SIGKILL of the worker to the session's next turn served.
     Each kill is on a daemon of its own: kills in a row on one daemon would
@@ -139,7 +199,15 @@ def _spread(values: list[float]) -> dict:
 
 
 def run(
-    output: Path, *, sessions: int, slabs: int, turns: int, max_tokens: int, repeats: int, phases: tuple[str, ...]
+    output: Path,
+    *,
+    sessions: int,
+    slabs: int,
+    turns: int,
+    max_tokens: int,
+    repeats: int,
+    phases: tuple[str, ...],
+    stores: tuple[str, ...] = STORES,
 ) -> dict:
     doc = {
         "bench": "sessions",
@@ -153,23 +221,36 @@ def run(
             "repeats": repeats,
             "window": "serve default (2048 + sink 4)",
             "phases": list(phases),
+            "stores": list(stores),
+            "redis": "redis-server on loopback, appendonly yes, appendfsync always",
         },
+        "stores": {},
     }
     measures = (
         (
             "hibernating",
+            1,
             slabs,
             lambda f: round_robin(f, sessions, turns, max_tokens, f"{sessions} sessions / {slabs} slabs"),
         ),
-        ("resident", sessions, lambda f: round_robin(f, sessions, turns, max_tokens, f"{sessions} sessions resident")),
-        ("restore_vs_prefill", 1, lambda f: restore_vs_prefill(f, 2052, repeats)),
+        (
+            "resident",
+            1,
+            sessions,
+            lambda f: round_robin(f, sessions, turns, max_tokens, f"{sessions} sessions resident"),
+        ),
+        ("restore_vs_prefill", 1, 1, lambda f: restore_vs_prefill(f, 2052, repeats)),
+        ("migration", 2, 1, lambda f: migration(f, repeats)),
     )
-    for name, phase_slabs, measure in measures:
-        if name not in phases:
-            continue
-        with spawn.serve(slabs=phase_slabs) as frontend:
-            doc[name] = measure(frontend)
-        write_json_atomic(output, doc)  # a phase's figures survive a later one's failure
+    for store in stores:
+        results = doc["stores"][store] = {}
+        for name, workers, phase_slabs, measure in measures:
+            if name not in phases:
+                continue
+            with store_args(store) as args, spawn.daemon(workers=workers, slabs=phase_slabs, serve_args=args) as d:
+                results[name] = measure(d.frontend)
+                results[name]["hibernate_ms"] = hibernations(d.log)
+            write_json_atomic(output, doc)  # a phase's figures survive a later one's failure
     if "crash_recovery" in phases:
         doc["crash_recovery"] = crash_recovery(repeats)
         write_json_atomic(output, doc)

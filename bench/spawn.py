@@ -33,6 +33,7 @@ class Daemon:
     backend: str
     admin: str
     pid: int  # the broker's
+    log: Path  # the daemon's log (broker and local workers)
 
 
 @contextlib.contextmanager
@@ -74,7 +75,7 @@ def daemon(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(proc, admin, workers, log_path)
-        yield Daemon(frontend, backend, admin, proc.pid)
+        yield Daemon(frontend, backend, admin, proc.pid, log_path)
     finally:
         stop(proc, timeout_s=30)
         shutil.rmtree(tmp, ignore_errors=True)

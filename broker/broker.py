@@ -19,6 +19,8 @@ counted by reason."""
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -53,7 +55,7 @@ from kvmux.protocol import (
     envelope,
     error_body,
 )
-from kvmux.sessions import LocalStore
+from kvmux.sessions import StoreError, StoreUnavailable, open_store
 
 from . import auth, endpoints
 from .admission import Admission, Pending, Refusal
@@ -70,11 +72,16 @@ _BATCH = 256  # frames read from one socket per loop turn, so neither starves
 _POLL_MS = 50
 _POLL_BACKLOG_MS = 5  # while some client's backlog waits to be flushed
 _SWEEP_S = 1.0  # how often expiry and idle hibernation look at every session
+LEASE_S = 10.0  # the store lease's life: renewed every sweep; a broker that dies frees it this much later
 _EMPTY_MAP = encode({})
 _STREAMING = (Op.APPEND, Op.GENERATE)
 
 
 Handler = Callable[["Broker", ClientFrame], None]
+
+
+class StoreRefused(StoreError):
+    """This broker may not serve the session store: another one holds its lease."""
 
 
 @dataclass
@@ -89,6 +96,11 @@ class Broker:
         self.cfg = cfg
         self.on_tick = on_tick  # watching local worker processes: False = give up
         self.exit_code = 0
+        # First the store and its lease: a broker that may not serve it
+        # (unreachable, or another broker's) stops before it binds anything.
+        self.store = open_store(cfg.store, cfg.state_dir)
+        self.lease_holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._take_lease()
         self.heap = HeapTrimmer()  # first: its malloc setting is in place before libzmq's threads allocate
         self.ctx = zmq.Context.instance()
         self.auth = auth.Auth(cfg.curve_secret, cfg.client_keys, cfg.worker_keys, cfg.admin_keys) if cfg.curve else None
@@ -118,7 +130,6 @@ class Broker:
         self._next_heartbeat = self._next_sweep = 0.0
         self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
         self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
-        self.store = LocalStore(cfg.state_dir)
         self.lifecycle = Lifecycle(cfg, self.registry, self.admission, self.store, self)
         self.lifecycle.load(time.monotonic())
 
@@ -156,6 +167,10 @@ class Broker:
         )
 
     def close(self) -> None:
+        try:
+            self.store.release(self.lease_holder)
+        except StoreError as exc:
+            log.warning("store_lease_not_released", why=str(exc))
         for sock in (self.frontend, self.backend, self.admin):
             sock.close()
         for endpoint in (self.frontend_endpoint, self.backend_endpoint, self.admin_endpoint):
@@ -214,7 +229,7 @@ class Broker:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.cfg.heartbeat_s
             for worker in list(self.registry.workers.values()):
-                self._to_worker(worker, b"", envelope(Op.HEARTBEAT), _EMPTY_MAP)
+                self.to_worker(worker, b"", envelope(Op.HEARTBEAT), _EMPTY_MAP)
         deadline = self.cfg.heartbeat_s * self.cfg.heartbeat_liveness
         for worker in list(self.registry.workers.values()):
             if now - worker.last_seen > deadline:
@@ -229,6 +244,9 @@ class Broker:
         sweep = now >= self._next_sweep  # scans of every session: once a second, not every tick
         if sweep:
             self._next_sweep = now + _SWEEP_S
+            if not self._renew_lease():
+                self.exit_code = 1
+                return True
         for session in self.admission.idle(self.registry, now) if sweep else ():
             self.admission.expired += 1
             log.info("session_expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
@@ -245,6 +263,29 @@ class Broker:
             self.exit_code = 1  # the local workers keep crashing: let the service manager see it
             return True
         return self.drain is not None and self._drain_step(now)
+
+    def _take_lease(self) -> None:
+        """The store's lease, waited for while a broker that died may still
+        hold it (up to LEASE_S); refused while a live one renews it."""
+        deadline = time.monotonic() + LEASE_S + 1.0
+        while (holder := self.store.lease(self.lease_holder, LEASE_S)) != self.lease_holder:
+            if time.monotonic() > deadline:
+                raise StoreRefused(f"another broker serves the session store {self.store.store_id}: {holder}")
+            log.info("store_lease_waiting", store=self.store.store_id, holder=holder)
+            time.sleep(0.5)
+
+    def _renew_lease(self) -> bool:
+        """Keep the store's lease; False once another broker holds it (this
+        one was cut off long enough for the lease to lapse)."""
+        try:
+            holder = self.store.lease(self.lease_holder, LEASE_S)
+        except StoreUnavailable as exc:
+            log.warning("store_unavailable", why=str(exc))
+            return True
+        if holder != self.lease_holder:
+            log.error("store_lease_lost", store=self.store.store_id, holder=holder)
+            return False
+        return True
 
     # ------------------------------------------------------------- clients
 
@@ -313,7 +354,7 @@ class Broker:
             session_id = uuid.uuid4().hex
             self.admission.admitted += 1
             self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
-            self._to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)
+            self.to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)
             return
         session = self.registry.sessions.get(pending.session_id)
         if session is None or session.ending is not None:
@@ -323,7 +364,7 @@ class Broker:
             self.registry.place_session(session, worker)
         env = decode_envelope(pending.env_raw)
         self.registry.track(pending.route, pending.request_id, env.op, session.worker, session.session_id)
-        self._to_worker(session.worker, pending.route, pending.env_raw, pending.body)
+        self.to_worker(session.worker, pending.route, pending.env_raw, pending.body)
 
     def forward(self, frame: ClientFrame) -> None:
         """APPEND, GENERATE, INFO, CLOSE, CREDIT: to the worker holding the
@@ -344,7 +385,7 @@ class Broker:
         if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
             self.check_unique(frame.route, env.request_id)
             self.registry.track(frame.route, env.request_id, env.op, session.worker, session.session_id)
-        self._to_worker(session.worker, frame.route, frame.env_raw, frame.body)
+        self.to_worker(session.worker, frame.route, frame.env_raw, frame.body)
 
     def _cancel(self, frame: ClientFrame) -> None:
         """CANCEL naming a queued or opening OPEN is the broker's; any other
@@ -491,7 +532,7 @@ class Broker:
     def _on_ready(self, identity: bytes, known: WorkerEntry | None, body: bytes, now: float) -> None:
         ready = decode_body(Op.READY, body)
         if known is not None:  # it registers anew: what it still holds, its READY says
-            self._lose_worker(known, "re-registered")
+            self._lose_worker(known, "re-registered", returning=True)
         if ready.version != PROTOCOL_VERSION:
             log.error("worker_version_mismatch", worker=identity.hex(), version=ready.version)
             return
@@ -501,6 +542,7 @@ class Broker:
         worker = self.registry.add_worker(identity, ready, now)
         for session_id in ready.sessions:
             self.lifecycle.adopt(worker, session_id, now)
+        self.lifecycle.clean_stranded(worker)
         log.info(
             "worker_ready",
             worker=worker.worker_id,
@@ -564,11 +606,21 @@ class Broker:
             )
         return env_raw, body
 
-    def _lose_worker(self, worker: WorkerEntry, why: str) -> None:
+    def _lose_worker(self, worker: WorkerEntry, why: str, returning: bool = False) -> None:
+        """Forget a worker. Its sessions hibernate where another process
+        reads its store (ours, another worker's, or its own when it is
+        `returning`: registering anew); otherwise they are lost with it and
+        their records, on its host, deleted when it comes back."""
         if self.registry.workers.get(worker.identity) is not worker:
             return
+        store = worker.ready.store
+        shared = store == self.store.store_id or any(
+            w is not worker and w.ready.store == store for w in self.registry.workers.values()
+        )
         sessions = len(worker.sessions)
-        lost = self.registry.remove_worker(worker, why, stored=worker.ready.store == self.store.store_id)
+        if not (shared or returning):
+            self.lifecycle.strand(store, [s.session_id for s in self.registry.sessions.values() if s.store == store])
+        lost = self.registry.remove_worker(worker, why, stored=shared or returning)
         log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
         for req in lost:
             if req.route and not req.orphaned:
@@ -585,7 +637,7 @@ class Broker:
     def own_request(self, worker: WorkerEntry, op: str, session_id: str, body) -> None:
         request_id = next(self._own_ids)
         self.registry.track(b"", request_id, op, worker, session_id)
-        self._to_worker(worker, b"", envelope(op, request_id, session_id), encode(body))
+        self.to_worker(worker, b"", envelope(op, request_id, session_id), encode(body))
 
     def _client_gone(self, route: bytes) -> None:
         """ROUTER_MANDATORY said the client vanished: cancel its running
@@ -603,7 +655,7 @@ class Broker:
 
     # --------------------------------------------------------------- sends
 
-    def _to_worker(self, worker: WorkerEntry, route: bytes, env_raw: bytes, body: bytes) -> None:
+    def to_worker(self, worker: WorkerEntry, route: bytes, env_raw: bytes, body: bytes) -> None:
         sent = self.outbox.to_worker(worker.identity, route, env_raw, body)
         if sent is Sent.UNREACHABLE:
             self._lose_worker(worker, "unreachable")

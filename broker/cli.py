@@ -53,6 +53,8 @@ def serve(
     **settings: Any,
 ) -> None:
     """Run the broker, with --workers local worker processes."""
+    from kvmux.sessions import StoreError
+
     from .broker import Broker
     from .endpoints import EndpointInUse
     from .local import LocalWorkers
@@ -64,7 +66,11 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"kvmux serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    broker = Broker(cfg)
+    try:
+        broker = Broker(cfg)
+    except (StoreError, ValueError) as exc:  # the store unreachable, misnamed, or another broker's
+        typer.echo(f"kvmux serve: {exc}", err=True)
+        raise typer.Exit(2) from None
     local = LocalWorkers(cfg, broker.auth)
     broker.on_tick = local.check
     try:

@@ -29,14 +29,13 @@ from kvmux.protocol import (
     Op,
     ProtocolError,
     Restored,
-    SessionInfo,
     SessionList,
     SessionOpened,
     SessionSummary,
     decode_body,
     decode_reply,
 )
-from kvmux.sessions import RecordHead, SessionRecord, SessionStore, StoreError, is_session_id
+from kvmux.sessions import RecordHead, SessionRecord, SessionStore, StoreError, StoreUnavailable, durable, is_session_id
 
 from .admission import Admission, Pending, percentiles
 from .client_frame import ClientFrame
@@ -58,6 +57,7 @@ class Sends(Protocol):
     def own_request(self, worker: WorkerEntry, op: str, session_id: str, body: msgspec.Struct) -> None: ...
     def place(self, pending: Pending, request, now: float) -> None: ...
     def forward(self, frame: ClientFrame) -> None: ...
+    def to_worker(self, worker: WorkerEntry, route: bytes, env_raw: bytes, body: bytes) -> None: ...
     def check_unique(self, route: bytes, request_id: int) -> None: ...
 
 
@@ -73,6 +73,9 @@ class Lifecycle:
         self.hibernations = self.restores = 0
         self.restore_times: deque[float] = deque(maxlen=_RESTORE_SAMPLES)
         self._store_bytes = (0, -STORE_BYTES_EVERY_S)  # (bytes, when summed)
+        # Sessions lost with a worker whose store no other process reads, by
+        # that store: deleted there when a worker reading it registers.
+        self.stranded: dict[str, set[str]] = {}
 
     def load(self, now: float) -> None:
         """Every session the store holds, hibernated until a worker holds it;
@@ -81,6 +84,8 @@ class Lifecycle:
         for session_id in self.store.session_ids():
             try:
                 head = self.store.head(session_id)
+            except StoreUnavailable:
+                raise  # the store went away mid-scan: no session is to blame
             except StoreError as exc:
                 why = f"session {session_id} is corrupt: {exc}"
                 self.registry.drop_session(session_id, ErrorCode.SESSION_CORRUPT, why)
@@ -88,7 +93,10 @@ class Lifecycle:
                 corrupt += 1
                 continue
             last = now - max(0.0, time.time() - head.updated)  # its wall-clock time on our monotonic clock
-            session = self.registry.add_session(head.session_id, None, b"", head.owner, last, _opened_from(head))
+            opened = _opened_from(head)
+            session = self.registry.add_session(
+                head.session_id, None, b"", head.owner, last, opened, store=self.store.store_id
+            )
             session.opened_at = head.created
             count += 1
         log.info("store_loaded", store=self.store.store_id, sessions=count, corrupt=corrupt)
@@ -97,21 +105,37 @@ class Lifecycle:
 
     def dormant(self, frame: ClientFrame, session: SessionEntry) -> None:
         """A call on a hibernated session: INFO and CLOSE are answered from
-        the store; APPEND and GENERATE wait for a slab to restore it in."""
+        the store (by a worker reading it, when the broker does not);
+        APPEND and GENERATE wait for a slab to restore it in."""
         env, route = frame.env, frame.route
+        if env.op in (Op.INFO, Op.CLOSE) and session.store != self.store.store_id:
+            reader = self.registry.reader(session.store)
+            if reader is None:
+                why = f"session {session.session_id} is stored where no worker registered now reads ({session.store})"
+                raise ProtocolError(ErrorCode.WORKER_LOST, why)
+            self.sends.check_unique(route, env.request_id)
+            self.registry.track(route, env.request_id, env.op, reader, session.session_id)
+            return self.sends.to_worker(reader, route, frame.env_raw, frame.body)
         if env.op == Op.INFO:
             token_ids = decode_body(Op.INFO, frame.body).token_ids
             try:
                 record = self.store.load(session.session_id)
+            except StoreUnavailable as exc:
+                raise ProtocolError(ErrorCode.INTERNAL, str(exc)) from None
             except StoreError as exc:
                 raise ProtocolError(
                     ErrorCode.SESSION_CORRUPT, f"session {session.session_id} is corrupt: {exc}"
                 ) from None
             idle = frame.now - session.last_active
-            return self.sends.reply(route, env, _info(record, self._slab_bytes(record), idle, token_ids))
+            return self.sends.reply(
+                route, env, durable.hibernated_info(record, self._slab_bytes(record), idle, token_ids)
+            )
         if env.op == Op.CLOSE:
             decode_body(Op.CLOSE, frame.body)
-            self.store.delete(session.session_id)
+            try:
+                self.store.delete(session.session_id)
+            except StoreUnavailable as exc:
+                raise ProtocolError(ErrorCode.INTERNAL, f"{exc}; the session stays: close it again later") from None
             self.registry.drop_session(
                 session.session_id, ErrorCode.SESSION_NOT_FOUND, f"session {session.session_id} was closed"
             )
@@ -123,7 +147,7 @@ class Lifecycle:
             return
         self.sends.check_unique(route, env.request_id)
         pending = Pending(route, env.request_id, frame.body, session.owner, frame.now, frame.now)
-        pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, self.store.store_id
+        pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, session.store
         self.sends.place(pending, None, frame.now)
 
     def _slab_bytes(self, record: SessionRecord) -> int:
@@ -165,11 +189,26 @@ class Lifecycle:
 
     # ----------------------------------------------------- workers' answers
 
+    def strand(self, store: str, session_ids: list[str]) -> None:
+        """These sessions are lost with the only worker reading `store`."""
+        self.stranded.setdefault(store, set()).update(session_ids)
+
+    def clean_stranded(self, worker: WorkerEntry) -> None:
+        """A worker reading a store whose sessions were lost registered: they
+        were reported lost, so their records there go."""
+        for session_id in sorted(self.stranded.pop(worker.ready.store, ())):
+            log.info("stranded_session_deleted", session=session_id, worker=worker.worker_id)
+            self.sends.own_request(worker, Op.CLOSE, session_id, Close())
+
     def adopt(self, worker: WorkerEntry, session_id: str, now: float) -> None:
         """A session the worker kept (across our restart, or its
-        re-registering): live there, unless another worker holds it already."""
+        re-registering): live there, unless another worker holds it already
+        or it was reported lost (then clean_stranded closes it)."""
         if not is_session_id(session_id):
             log.warning("bad_session_id_from_worker", worker=worker.worker_id, session=repr(session_id)[:80])
+            return
+        if session_id in self.stranded.get(worker.ready.store, ()):
+            worker.foreign = max(0, worker.foreign - 1)  # freed by the close that clean_stranded sends first
             return
         session = self.registry.sessions.get(session_id)
         if session is not None and session.worker is not None and session.worker is not worker:
@@ -182,7 +221,8 @@ class Lifecycle:
             try:
                 head = self.store.head(session_id)
                 owner, opened, created = head.owner, _opened_from(head), head.created
-            except StoreError:
+            except StoreError:  # a store we do not read: the owner its record names, as the worker tells it
+                owner = worker.ready.owners.get(session_id, "")
                 opened, created = _opened_from(_unknown_head(session_id, worker)), time.time()
             session = self.registry.add_session(session_id, worker, b"", owner, now, opened)
             session.opened_at = created
@@ -262,7 +302,10 @@ class Lifecycle:
         """Close a session on the broker's own account (its record goes too).
         A live one's worker cancels what runs on it first, then frees the slab."""
         if session.worker is None:
-            self.store.delete(session.session_id)
+            try:
+                self.store.delete(session.session_id)
+            except StoreUnavailable as exc:  # it stays ended here; the next broker's expiry deletes it
+                log.warning("record_not_deleted", session=session.session_id, why=str(exc))
             self.registry.drop_session(session.session_id, why, f"session {session.session_id} ended ({why.value})")
         elif session.state is not State.CLOSING:
             self.registry.closing(session, why)
@@ -314,27 +357,4 @@ def _unknown_head(session_id: str, worker: WorkerEntry) -> RecordHead:
         updated=0.0,
         sink=worker.ready.sink,
         window=worker.ready.max_window,
-    )
-
-
-def _info(record: SessionRecord, slab_bytes: int, idle_s: float, token_ids: bool) -> SessionInfo:
-    """SESSION INFO for a hibernated session, from its record."""
-    history = record.history + record.pending
-    return SessionInfo(
-        session_id=record.session_id,
-        worker_id="",
-        history_tokens=len(history),
-        cached_tokens=0,
-        kv_live_bytes=0,
-        slab_bytes=slab_bytes,
-        truncated_tokens=max(0, len(record.history) - record.sink - record.window),
-        idle_s=idle_s,
-        sink=record.sink,
-        window=record.window,
-        busy=False,
-        messages=len(record.messages),
-        token_ids=history if token_ids else None,
-        state="hibernated",
-        restores=record.restores,
-        last_restore_s=record.last_restore_s,
     )

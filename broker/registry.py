@@ -87,6 +87,7 @@ class SessionEntry:
     last_active: float
     opened: SessionOpened  # what OPEN answered: RESUME answers it again
     state: State = State.LIVE
+    store: str = ""  # the store its record is in (a worker's READY.store): only workers reading it restore it
     opened_at: float = 0.0  # wall-clock seconds
     in_flight: int = 0
     ending: ErrorCode | None = None  # why the broker decided to close it (its calls are refused with it)
@@ -142,8 +143,9 @@ class Registry:
 
     def remove_worker(self, worker: WorkerEntry, why: str, stored: bool) -> list[Request]:
         """Forget `worker`; return its requests in flight (now failed). Its
-        sessions hibernate when their records are in a store we share
-        (`stored`), and are remembered as lost otherwise."""
+        sessions hibernate when their records are in a store another
+        process reads (`stored`); otherwise they are lost with it, as are
+        the sessions hibernated in its store, and told so (`worker_lost`)."""
         self.workers.pop(worker.identity, None)
         lost = [req for req in self.requests.values() if req.worker is worker]
         for req in lost:
@@ -153,8 +155,14 @@ class Registry:
             if stored:
                 self.hibernated(session)
             else:
-                why = f"session {session_id} was on worker {worker.worker_id}, which was lost ({why})"
-                self.drop_session(session_id, ErrorCode.SESSION_NOT_FOUND, why)
+                lost_why = f"session {session_id} was on worker {worker.worker_id}, which was lost ({why})"
+                self.drop_session(session_id, ErrorCode.WORKER_LOST, lost_why)
+        if not stored:
+            for session in [s for s in self.sessions.values() if s.worker is None and s.store == worker.ready.store]:
+                lost_why = (
+                    f"session {session.session_id} was stored on worker {worker.worker_id}, which was lost ({why})"
+                )
+                self.drop_session(session.session_id, ErrorCode.WORKER_LOST, lost_why)
         return lost
 
     def place(self, store: str | None = None) -> WorkerEntry | None:
@@ -164,6 +172,10 @@ class Registry:
             w for w in self.workers.values() if not w.draining and w.free_slabs > 0 and store in (None, w.ready.store)
         ]
         return max(candidates, key=lambda w: w.free_slabs, default=None)
+
+    def reader(self, store: str) -> WorkerEntry | None:
+        """A worker that reads `store` (for a record the broker does not)."""
+        return next((w for w in self.workers.values() if w.ready.store == store), None)
 
     def idle_live(self, store: str | None = None) -> list[SessionEntry]:
         """Live sessions with nothing running or on its way, least recently
@@ -184,10 +196,19 @@ class Registry:
     # ----------------------------------------------------------- sessions
 
     def add_session(
-        self, session_id: str, worker: WorkerEntry | None, route: bytes, owner: str, now: float, opened: SessionOpened
+        self,
+        session_id: str,
+        worker: WorkerEntry | None,
+        route: bytes,
+        owner: str,
+        now: float,
+        opened: SessionOpened,
+        store: str = "",
     ) -> SessionEntry:
+        """A session live on `worker`, or (None) hibernated in `store`."""
         state = State.LIVE if worker is not None else State.HIBERNATED
-        session = SessionEntry(session_id, worker, route, owner, now, opened, state)
+        store = worker.ready.store if worker is not None else store
+        session = SessionEntry(session_id, worker, route, owner, now, opened, state, store)
         self.sessions[session_id] = session
         if worker is not None:
             worker.sessions.add(session_id)
@@ -204,6 +225,7 @@ class Registry:
         its way stays on its way)."""
         if session.worker is not None:
             session.worker.sessions.discard(session.session_id)
+            session.store = session.worker.ready.store
         session.worker = None
         if session.state is not State.CLOSING:
             session.move(State.HIBERNATED)
@@ -218,12 +240,13 @@ class Registry:
         when the request that follows reaches it."""
         session.move(State.RESTORING)
         session.worker = worker
+        session.store = worker.ready.store
         worker.sessions.add(session.session_id)
 
     def adopted(self, session: SessionEntry, worker: WorkerEntry) -> None:
         """`worker`'s READY says it holds the session (it kept it across a
         restart): live there."""
-        session.worker = worker
+        session.worker, session.store = worker, worker.ready.store
         worker.sessions.add(session.session_id)
         if session.state is not State.CLOSING:
             session.move(State.LIVE)

@@ -77,6 +77,15 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "$KVMUX_STATE_DIR, else $XDG_STATE_HOME/kvmux, else ~/.local/state/kvmux (macOS: ~/Library/Application Support/kvmux)",
         ),
     ] = ""
+    store: Annotated[
+        str,
+        doc(
+            "Where sessions are kept: a Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS,"
+            " unix:///path.sock?db=N) shared by workers on any host, or the state dir's directory, one host's.",
+            "the state dir",
+            envvar="KVMUX_STORE",
+        ),
+    ] = ""
     heartbeat_s: Annotated[float, msgspec.Meta(ge=0.05), doc("Heartbeat interval between the broker and a worker.")] = (
         HEARTBEAT_INTERVAL_S
     )

@@ -144,7 +144,9 @@ class WorkerReady(_Body):
     host: str
     free_slabs: int
     sessions: list[str] = []  # live sessions it holds (kept across a broker restart)
-    store: str = ""  # "host:state dir": workers with the same store share session records
+    store: str = ""  # its session store ("host:state dir", or a Redis URL): who reads the same records
+    # each live session's owner, from its record: for a broker that does not read this worker's store
+    owners: dict[str, str] = {}
     compute: Compute | None = None
 
 

@@ -33,7 +33,7 @@ KERNELS = {"native": {}, "haswell": {"OPENBLAS_CORETYPE": "Haswell"}}
 NEAR_TIE = 0.01
 
 
-def _free_tcp_port() -> int:
+def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,8 +81,8 @@ class Stack:
             self.frontend = f"ipc://{self.dir}/f.ipc"
             self.backend = f"ipc://{self.dir}/b.ipc"
         else:
-            self.frontend = f"tcp://127.0.0.1:{_free_tcp_port()}"
-            self.backend = f"tcp://127.0.0.1:{_free_tcp_port()}"
+            self.frontend = f"tcp://127.0.0.1:{free_tcp_port()}"
+            self.backend = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.admin = f"ipc://{self.dir}/a.ipc"  # stats and drain go here: it needs no key
         self.slabs = slabs
         self.state = self.dir / "state"  # the session store, the broker's and its workers'

@@ -72,7 +72,7 @@ def test_removing_a_worker_fails_its_requests_and_remembers_why_its_sessions_wen
     assert list(reg.workers.values()) == [other] and list(reg.requests.values()) == [theirs]
     assert lost.in_flight == 0 and "s1" not in reg.sessions and "s2" in reg.sessions
     code, why, _owner = reg.gone["s1"]
-    assert code is ErrorCode.SESSION_NOT_FOUND and "w1" in why and "silent for 3.0s" in why
+    assert code is ErrorCode.WORKER_LOST and "w1" in why and "silent for 3.0s" in why
 
 
 def test_a_lost_worker_sharing_our_store_leaves_its_sessions_hibernated():

@@ -13,7 +13,7 @@ import time
 import pytest
 import zmq
 import zmq.auth
-from conftest import STARTUP_TIMEOUT_S, Stack, _free_tcp_port, broker_stats, kvmux_command
+from conftest import STARTUP_TIMEOUT_S, Stack, broker_stats, free_tcp_port, kvmux_command
 
 from kvmux.client import Client, Forbidden, SessionNotFound, Timeout
 
@@ -206,7 +206,7 @@ def test_keys_new_writes_a_private_pair(tmp_path):
 
 
 def test_serve_refuses_an_open_tcp_endpoint_beyond_loopback(tmp_path):
-    port = _free_tcp_port()
+    port = free_tcp_port()
     base = ["serve", "--workers", "0", "--state-dir", str(tmp_path / "state")]
     base += ["--admin-endpoint", f"ipc://{tmp_path}/a.ipc", "--backend", f"ipc://{tmp_path}/b.ipc"]
     env = {**os.environ, "KVMUX_RUNTIME_DIR": str(tmp_path)}

@@ -60,6 +60,7 @@ class LiveSession(SessionState, kw_only=True, eq=False):
     slab: list[SlabCache]
     conversation: Conversation
     logits: mx.array | None = None
+    epoch: int = 0  # this placement's, from the store (SessionStore.claim): its record writes carry it
     last_used: float = msgspec.field(default_factory=time.monotonic)
     # speculative decoding (worker/speculative.py)
     lookup: Lookup = msgspec.field(default_factory=Lookup)  # follows `history`

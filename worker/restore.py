@@ -28,6 +28,7 @@ def restore(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveS
             raise ProtocolError(ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: {exc}") from None
     session = LiveSession(
         **state_fields(record),
+        epoch=store.claim(session_id),
         slab=slab,
         logits=logits,
         conversation=Conversation(engine.tokenizer, *conversation_of(record)),

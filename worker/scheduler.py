@@ -6,6 +6,7 @@ boundary. The decode steps of a round run as one batched forward pass."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import zmq
 from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
-from kvmux.sessions import SessionStore, durable
+from kvmux.sessions import Fenced, SessionStore, StoreError, durable
 
 from . import control, restore
 from .engine import PREFILL_CHUNK, Engine, GenerationEnd, LiveSession, NewToken, Step
@@ -99,7 +100,13 @@ class Scheduler:
         reads nothing of ours but what comes over the pipe."""
         engine = self.engine
         status = control.Status(
-            self.pool.free, len(self.jobs), list(self.sessions), self.draining, engine.drafted, engine.accepted
+            self.pool.free,
+            len(self.jobs),
+            list(self.sessions),
+            self.draining,
+            engine.drafted,
+            engine.accepted,
+            {session_id: session.owner for session_id, session in self.sessions.items()},
         )
         if status != self.reported:
             self.pipe.send_multipart([control.STATUS, control.encode_status(status)])
@@ -181,12 +188,15 @@ class Scheduler:
         )
 
     def finish(self, job: Job) -> None:
-        del self.jobs[job.session.session_id]
+        self.jobs.pop(job.session.session_id, None)
+        if job.session.session_id not in self.sessions:
+            return  # dropped on the way: its placement was superseded (save)
         job.session.last_used = time.monotonic()
         if job.close_after:
             self.close(job.session, *job.close_after)
         elif not job.saved:  # cancelled or failed: the record still says what the slab holds
-            self.save(job.session)
+            with contextlib.suppress(ProtocolError):  # superseded: the job's own error is the answer
+                self.save(job.session)
 
     def complete(self, job: Job, body) -> None:
         """A job's final reply, sent once the session's record holds what
@@ -197,16 +207,26 @@ class Scheduler:
 
     def save(self, session: LiveSession, *, snapshot: bool = False) -> int:
         """Write the session's durable record: after this, a crash of this
-        worker loses nothing the session has done."""
-        return durable.save(self.store, session, self.engine.loaded.model_id, snapshot_now=snapshot)
+        worker loses nothing the session has done. A copy whose placement
+        was superseded (this worker was declared lost, the session placed
+        again elsewhere) is dropped, and the request gets `worker_lost`."""
+        try:
+            return durable.save(self.store, session, self.engine.loaded.model_id, snapshot_now=snapshot)
+        except Fenced as exc:
+            log.warning("session_fenced", session=session.session_id, why=str(exc))
+            if session.session_id in self.sessions:
+                self.drop(session)
+            raise ProtocolError(
+                ErrorCode.WORKER_LOST, f"this worker's copy of session {session.session_id} is stale: {exc}"
+            ) from None
 
     def save_all(self) -> None:
         """On the way out (a drain): snapshot what a restart would replay."""
-        for session in self.sessions.values():
+        for session in list(self.sessions.values()):
             if session.replay:
                 try:
                     self.save(session, snapshot=True)
-                except OSError as exc:
+                except (OSError, StoreError, ProtocolError) as exc:
                     log.error("session_save_failed", session=session.session_id, error=str(exc))
 
     def prefill_chunk(self) -> int:
@@ -260,6 +280,13 @@ class Scheduler:
             return None
         if env.op == Op.HIBERNATE:
             raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"session {env.session_id!r} is not live here")
+        if env.op == Op.INFO:  # the broker's question about a record in our store it does not read
+            record = durable.stored(self.store, env.session_id)
+            slab_bytes = self.engine.slab_bytes(record.sink, record.window)
+            idle_s = max(0.0, time.time() - record.updated)
+            info = durable.hibernated_info(record, slab_bytes, idle_s, body.token_ids)
+            self.send(route, Op.FINAL, env.request_id, env.session_id, info)
+            return None
         return self.restore(env.session_id)
 
     def restore(self, session_id: str) -> LiveSession:
@@ -308,6 +335,7 @@ class Scheduler:
         session.owner = body.client_name or ""
         self.sessions[session.session_id] = session
         try:
+            session.epoch = self.store.claim(session.session_id)
             self.save(session)
         except BaseException:
             self.drop(session)

@@ -39,7 +39,8 @@ class WorkerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     connect: Annotated[
         str,
         doc(
-            "Broker backend endpoint (ipc:// or tcp://).",
+            "Broker backend endpoint (ipc:// or tcp://); several, comma-separated, are tried in turn each time"
+            " the broker goes silent (a standby broker on a shared store).",
             "the local daemon's: $KVMUX_BACKEND, else backend.ipc in the runtime dir",
         ),
     ] = ""
@@ -79,6 +80,8 @@ class Worker:
         self.pipe: zmq.Socket | None = None
         self.poller = zmq.Poller()
         self.last_heard = self.next_beat = 0.0
+        self.endpoints = [e.strip() for e in config.connect.split(",") if e.strip()]
+        self.attempts = 0  # registrations so far: the next one tries the next endpoint
         self.drain_deadline: float | None = None  # set when the drain starts
 
     # ------------------------------------------------------------ compute
@@ -91,7 +94,7 @@ class Worker:
         try:
             import mlx.core as mx
 
-            from kvmux.sessions import LocalStore
+            from kvmux.sessions import open_store
 
             from .drafter import check_tokenizers
             from .engine import PREFILL_CHUNK, Engine
@@ -118,7 +121,7 @@ class Worker:
                 most_rows=self.config.slabs * (MAX_DRAFT + 1) + PREFILL_CHUNK,
                 batch_invariant=self.config.batch_invariant,
             )
-            store = LocalStore(self.config.state_dir)
+            store = open_store(self.config.store, self.config.state_dir)
             scheduler = Scheduler(
                 engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe, store=store
             )
@@ -287,16 +290,21 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 1000)
         if self.config.server_key:
             keys.secure_client(sock, self.config.server_key, self.config.curve_secret or None)
-        sock.connect(self.config.connect)
+        endpoint = self.endpoints[self.attempts % len(self.endpoints)]
+        self.attempts += 1
+        sock.connect(endpoint)
         ready = msgspec.structs.replace(
-            p.decode_body(Op.READY, self.ready_body), free_slabs=self.status.free_slabs, sessions=self.status.sessions
+            p.decode_body(Op.READY, self.ready_body),
+            free_slabs=self.status.free_slabs,
+            sessions=self.status.sessions,
+            owners=self.status.owners,
         )
         sock.send_multipart([b"", p.envelope(Op.READY), p.encode(ready)])
         self.broker = sock
         self.poller.register(sock, zmq.POLLIN)
         self.last_heard = time.monotonic()
         self.next_beat = self.last_heard + self.config.heartbeat_s
-        log.info("worker_registering", broker=self.config.connect, worker=self.id)
+        log.info("worker_registering", broker=endpoint, worker=self.id)
 
     def _reregister(self) -> None:
         """Register anew on a fresh socket; the sessions we hold stay ours

@@ -69,6 +69,11 @@ class ClientCore:
         secret_key: str | os.PathLike | None,
     ):
         self.endpoint = endpoint or paths.default_frontend()
+        # Several, comma-separated: a broker and its standbys on a shared
+        # session store, one serving at a time; requests go to whichever
+        # is connected (ZMQ_IMMEDIATE) and wait while none is.
+        self.endpoints = [e.strip() for e in self.endpoint.split(",") if e.strip()]
+        self.failover = len(self.endpoints) > 1
         self.timeout = timeout
         self._calls = Calls()
         self._sessions: dict[str, SessionCore] = {}
@@ -95,7 +100,10 @@ class ClientCore:
             except keys.BadKey as exc:
                 sock.close()
                 raise errors.InvalidArgument(str(exc)) from None
-        sock.connect(self.endpoint)
+        if self.failover:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        for endpoint in self.endpoints:
+            sock.connect(endpoint)
 
     def _hint(self) -> str:
         """Why a broker that never answered may be silent: a CURVE handshake

@@ -207,34 +207,45 @@ class Client(core.ClientCore):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        held: collections.deque[list[bytes]] = collections.deque()  # waiting for a broker (failover)
         try:
             while True:
-                for sock, _ in poller.poll():
-                    if sock is self._socket:
-                        self._receive()
-                    else:
+                poller.modify(self._socket, zmq.POLLIN | (zmq.POLLOUT if held else 0))
+                for sock, event in poller.poll():
+                    if sock is not self._socket:
                         try:
                             os.read(self._wake_r, 4096)
                         except BlockingIOError:
                             pass
+                    elif event & zmq.POLLIN:
+                        self._receive()
+                while held and self._transmit(held[0]):
+                    held.popleft()
                 while self._outbox:
                     frames = self._outbox.popleft()
                     if frames is None:
                         return
-                    self._transmit(frames)
+                    if held or not self._transmit(frames):
+                        held.append(frames)
         finally:
             self._socket.close()
 
-    def _transmit(self, frames: list[bytes]) -> None:
+    def _transmit(self, frames: list[bytes]) -> bool:
+        """Send without blocking; False when the frames must wait for a
+        broker to connect (several endpoints), which a wait's timeout bounds."""
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:  # this thread must not block: fail the request now, not at its timeout
+        except zmq.Again:
+            if self.failover:
+                return False
+            # This thread must not block: fail the request now, not at its timeout
             rid = p.decode_envelope(frames[0]).request_id
             replies = self._calls.pop(rid)
             if replies is not None:
                 why = self._hint() or "is the broker reading?"  # e.g. a CURVE handshake that never completed
                 error = errors.Timeout(f"send queue full: {why}", request_id=rid)
                 replies.put_nowait(wire.Reply(p.Op.ERROR, rid, "", error))
+        return True
 
     def _receive(self) -> None:
         while True:

@@ -5,17 +5,29 @@ backend, written atomically by files.py). Shared by broker and worker; MLX
 is imported only where a worker writes or reads a snapshot."""
 
 from .local import LocalStore, store_id
-from .record import RecordHead, SessionRecord, SessionState, StoreError, is_session_id, state_fields
-from .store import SessionStore
+from .record import (
+    Fenced,
+    RecordHead,
+    SessionRecord,
+    SessionState,
+    StoreError,
+    StoreUnavailable,
+    is_session_id,
+    state_fields,
+)
+from .store import SessionStore, open_store
 
 __all__ = [
+    "Fenced",
     "LocalStore",
     "RecordHead",
     "SessionRecord",
     "SessionState",
     "SessionStore",
     "StoreError",
+    "StoreUnavailable",
     "is_session_id",
+    "open_store",
     "state_fields",
     "store_id",
 ]

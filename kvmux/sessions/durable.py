@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from kvmux.protocol import ChatMessage, ErrorCode, ProtocolError
+from kvmux.protocol import ChatMessage, ErrorCode, ProtocolError, SessionInfo
 
-from .record import SessionRecord, StoreError, state_fields
+from .record import SessionRecord, StoreError, StoreUnavailable, state_fields
 from .store import SessionStore
 
 
@@ -44,6 +44,7 @@ class Live(Protocol):
     snapshot: str | None
     snapshot_tokens: int
     replay: list[int]
+    epoch: int  # its placement's (SessionStore.claim)
     slab: list
     logits: Any  # mx.array | None
     conversation: Conversation
@@ -69,28 +70,38 @@ def record_of(session: Live, model_id: str) -> SessionRecord:
 
 def save(store: SessionStore, session: Live, model_id: str, *, snapshot_now: bool = False) -> int:
     """Write the session's record (first a slab snapshot when asked or when
-    the replay has grown long); returns the bytes written."""
+    the replay has grown long); returns the bytes written. Raises Fenced
+    when the session was placed again since this copy was."""
     written = 0
     snapshotting = snapshot_now or len(session.replay) > SNAPSHOT_AFTER_CHUNKS
     if snapshotting:
         name, size = store.save_snapshot(session.session_id, session.slab, session.logits)
         session.snapshot, session.snapshot_tokens, session.replay = name, len(session.history), []
         written += size
-    written += store.save(record_of(session, model_id))
+    written += store.save(record_of(session, model_id), session.epoch)
     if snapshotting:  # only now, with the record naming the new one, may the old go
         store.prune_snapshots(session.session_id, session.snapshot)
     return written
 
 
-def restorable(store: SessionStore, session_id: str, model_id: str) -> SessionRecord:
-    """The record to restore a session from, checked; raises ProtocolError
-    (session_not_found, session_corrupt)."""
+def stored(store: SessionStore, session_id: str) -> SessionRecord:
+    """The session's record; raises ProtocolError (session_not_found,
+    session_corrupt, or internal while the store is unreachable)."""
     try:
         if not store.exists(session_id):
             raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id}")
         record = store.load(session_id)
+    except StoreUnavailable as exc:  # not the record's fault: the session stays, for a later call
+        raise ProtocolError(ErrorCode.INTERNAL, str(exc)) from None
     except StoreError as exc:
         raise ProtocolError(ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: {exc}") from None
+    return record
+
+
+def restorable(store: SessionStore, session_id: str, model_id: str) -> SessionRecord:
+    """The record to restore a session from, checked; raises ProtocolError
+    (session_not_found, session_corrupt)."""
+    record = stored(store, session_id)
     if record.model != model_id:
         raise ProtocolError(
             ErrorCode.SESSION_CORRUPT, f"session {session_id} was made with {record.model}, this worker runs {model_id}"
@@ -108,4 +119,28 @@ def conversation_of(record: SessionRecord) -> tuple[list[dict[str, str]], str, d
         [{"role": m.role, "content": m.content} for m in record.messages],
         record.rendered,
         record.chat_template_kwargs,
+    )
+
+
+def hibernated_info(record: SessionRecord, slab_bytes: int, idle_s: float, token_ids: bool) -> SessionInfo:
+    """SESSION INFO for a hibernated session, from its record (the broker's
+    answer, or a worker's for a store the broker does not read)."""
+    history = record.history + record.pending
+    return SessionInfo(
+        session_id=record.session_id,
+        worker_id="",
+        history_tokens=len(history),
+        cached_tokens=0,
+        kv_live_bytes=0,
+        slab_bytes=slab_bytes,
+        truncated_tokens=max(0, len(record.history) - record.sink - record.window),
+        idle_s=idle_s,
+        sink=record.sink,
+        window=record.window,
+        busy=False,
+        messages=len(record.messages),
+        token_ids=history if token_ids else None,
+        state="hibernated",
+        restores=record.restores,
+        last_restore_s=record.last_restore_s,
     )

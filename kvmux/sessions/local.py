@@ -9,24 +9,31 @@ a few hundred KB: it holds the token history). Every write is atomic (temp
 file, fsync, rename, fsync of the dir): a crash at any instant leaves the
 previous state readable. Files are 0600 in 0700 dirs. Two processes share
 this store when they run on one host with one state dir (`store_id`).
+A session's epoch sits beside its record, read and written under an
+exclusive lock on the session's dir (flock), as is every fenced record
+write; the broker's lease is a lock on `broker.lock`, released by the
+kernel when the broker dies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvmux.protocol import DECODE_ERRORS
 
 from .files import atomic_write
-from .record import RecordHead, SessionRecord, StoreError, decode_head, decode_record, encode, is_session_id
+from .record import Fenced, RecordHead, SessionRecord, StoreError, decode_head, decode_record, encode, is_session_id
 from .store import SessionStore
 
 RECORD = "record.msgpack"
+EPOCH = "epoch"
+LEASE = "broker.lock"
 _SNAPSHOTS = "slab-*.safetensors"
 
 
@@ -41,6 +48,7 @@ class LocalStore(SessionStore):
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
         self.store_id = store_id(state_dir)
+        self._lease: int | None = None  # the lock file's fd, while this process holds the lease
 
     def dir(self, session_id: str) -> Path:
         if not is_session_id(session_id):
@@ -50,11 +58,37 @@ class LocalStore(SessionStore):
     def exists(self, session_id: str) -> bool:
         return (self.dir(session_id) / RECORD).exists()
 
-    def save(self, record: SessionRecord) -> int:
-        folder = self.dir(record.session_id)
+    @contextlib.contextmanager
+    def _locked(self, session_id: str):
+        """The session's dir, made if new, with its lock held."""
+        folder = self.dir(session_id)
         folder.mkdir(exist_ok=True, mode=0o700)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield folder
+        finally:
+            os.close(fd)  # and with it the lock
+
+    def _epoch(self, folder: Path) -> int:
+        try:
+            return int((folder / EPOCH).read_text())
+        except (FileNotFoundError, ValueError):
+            return 0  # a record from before fencing: any first claim takes it
+
+    def claim(self, session_id: str) -> int:
+        with self._locked(session_id) as folder:
+            epoch = self._epoch(folder) + 1
+            atomic_write(folder / EPOCH, str(epoch).encode())
+            return epoch
+
+    def save(self, record: SessionRecord, epoch: int) -> int:
         data = encode(record)
-        atomic_write(folder / RECORD, data)  # mkstemp makes it 0600
+        with self._locked(record.session_id) as folder:
+            current = self._epoch(folder)
+            if epoch != current:
+                raise Fenced(f"session {record.session_id} was placed again (epoch {current}, this write's {epoch})")
+            atomic_write(folder / RECORD, data)  # mkstemp makes it 0600
         return len(data)
 
     def load(self, session_id: str) -> SessionRecord:
@@ -80,7 +114,7 @@ class LocalStore(SessionStore):
 
         folder = self.dir(session_id)
         folder.mkdir(exist_ok=True, mode=0o700)
-        name = f"slab-{time.time_ns()}.safetensors"
+        name = snapshot.name()
         return name, snapshot.save(folder / name, slab, logits)
 
     def load_snapshot(self, session_id: str, name: str, slab: list):
@@ -106,3 +140,22 @@ class LocalStore(SessionStore):
             return sum(p.stat().st_size for p in self.dir(session_id).iterdir())
         except OSError:
             return 0
+
+    def lease(self, holder: str, ttl_s: float) -> str:
+        if self._lease is None:
+            fd = os.open(self.root / LEASE, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                other = os.read(fd, 256).decode(errors="replace") or "another broker"
+                os.close(fd)
+                return other
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+            self._lease = fd  # held until this process exits or releases it
+        return holder
+
+    def release(self, holder: str) -> None:
+        if self._lease is not None:
+            os.close(self._lease)
+            self._lease = None

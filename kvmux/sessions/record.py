@@ -31,6 +31,15 @@ class StoreError(Exception):
     """A record that is missing, truncated or not a kvmux record."""
 
 
+class Fenced(StoreError):
+    """A write from a placement of the session that is no longer its own: the
+    session was placed again (a worker declared lost, then back)."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (a Redis server down or unreachable)."""
+
+
 class SessionState(msgspec.Struct, kw_only=True):
     session_id: str
     sink: int

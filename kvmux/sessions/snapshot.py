@@ -14,6 +14,8 @@ module reads and sets only the fields they share with it.
 from __future__ import annotations
 
 import json
+import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,8 +23,40 @@ import mlx.core as mx
 from .files import atomic_file
 
 
+def name() -> str:
+    """A new snapshot's name: later ones sort after earlier ones."""
+    return f"slab-{time.time_ns()}.safetensors"
+
+
 def save(path: Path, slab: list, logits: mx.array | None) -> int:
     """Write the snapshot atomically; returns its size in bytes."""
+    arrays, meta = _arrays(slab, logits)
+    with atomic_file(path) as tmp:
+        mx.save_safetensors(str(tmp), arrays, meta)
+    return path.stat().st_size
+
+
+def to_bytes(slab: list, logits: mx.array | None) -> tuple[str, bytes]:
+    """A new snapshot's name and its file's bytes, for a store that is no
+    directory (MLX writes safetensors only to a path)."""
+    arrays, meta = _arrays(slab, logits)
+    with tempfile.TemporaryDirectory(prefix="kvmux-snap-") as tmp:
+        path = Path(tmp) / "slab.safetensors"
+        mx.save_safetensors(str(path), arrays, meta)
+        return name(), path.read_bytes()
+
+
+def from_bytes(data: bytes, snapshot: str, slab: list) -> tuple[list, mx.array | None]:
+    """`load` of a snapshot's bytes."""
+    with tempfile.TemporaryDirectory(prefix="kvmux-snap-") as tmp:
+        path = Path(tmp) / snapshot
+        path.write_bytes(data)
+        slab, logits = load(path, slab)
+        mx.eval([layer.state for layer in slab], [] if logits is None else logits)  # read the file before it goes
+    return slab, logits
+
+
+def _arrays(slab: list, logits: mx.array | None) -> tuple[dict[str, mx.array], dict[str, str]]:
     arrays: dict[str, mx.array] = {}
     positions = []
     for i, layer in enumerate(slab):
@@ -31,10 +65,7 @@ def save(path: Path, slab: list, logits: mx.array | None) -> int:
         positions.append([layer.offset, layer._idx])
     if logits is not None:
         arrays["logits"] = logits
-    meta = {"positions": json.dumps(positions), "layers": str(len(slab)), "slots": str(slab[0].max_size)}
-    with atomic_file(path) as tmp:
-        mx.save_safetensors(str(tmp), arrays, meta)
-    return path.stat().st_size
+    return arrays, {"positions": json.dumps(positions), "layers": str(len(slab)), "slots": str(slab[0].max_size)}
 
 
 def load(path: Path, slab: list) -> tuple[list, mx.array | None]:

@@ -5,9 +5,19 @@ and call it; neither touches a record's files.
 Records are written by workers (after every request they complete) and read
 by both; a record is deleted by whoever closes its session (the broker for
 a hibernated one, the worker for a live one). `store_id` tells a broker
-which workers share its store: a hibernated session is restored only on one
-of those. `LocalStore` (kvmux/sessions/local.py), a directory under the
-daemon's state dir, is the first backend.
+which workers share a store: a hibernated session is restored only on a
+worker that reads the store it was written to.
+
+Fencing: every placement of a session on a worker (an open, a restore)
+`claim`s a new epoch, and the worker's record writes carry it; a write with
+an older epoch is refused (`Fenced`), atomically with the check, so a
+worker declared lost that comes back cannot overwrite what the session's
+new worker wrote. One broker serves a store at a time: it holds the store's
+`lease`.
+
+Backends: `LocalStore` (local.py), a directory under the state dir, one
+host; `RedisStore` (redis_store.py), any number of hosts. `open_store`
+picks one from the `store` setting.
 """
 
 from __future__ import annotations
@@ -29,8 +39,14 @@ class SessionStore(abc.ABC):
     def exists(self, session_id: str) -> bool: ...
 
     @abc.abstractmethod
-    def save(self, record: SessionRecord) -> int:
-        """Write the record atomically; returns the bytes written."""
+    def claim(self, session_id: str) -> int:
+        """A new placement of the session: its epoch, from now on the only
+        one whose writes are taken."""
+
+    @abc.abstractmethod
+    def save(self, record: SessionRecord, epoch: int) -> int:
+        """Write the record atomically, if `epoch` is still the session's
+        (else raise Fenced); returns the bytes written."""
 
     @abc.abstractmethod
     def load(self, session_id: str) -> SessionRecord:
@@ -67,3 +83,27 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     def bytes_stored(self, session_id: str) -> int:
         """What the session takes in the store (record and snapshots)."""
+
+    @abc.abstractmethod
+    def lease(self, holder: str, ttl_s: float) -> str:
+        """Take or renew the broker's lease on the store for `ttl_s`; returns
+        who holds it (`holder` when it is ours)."""
+
+    @abc.abstractmethod
+    def release(self, holder: str) -> None:
+        """Give the lease back, if `holder` has it: the next broker need not
+        wait for it to lapse."""
+
+
+def open_store(store: str, state_dir: str) -> SessionStore:
+    """The store a `store` setting names: a redis://, rediss:// or unix://
+    URL, or "" for the directory under `state_dir`."""
+    if store.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_store import RedisStore  # redis-py: only where it is asked for
+
+        return RedisStore(store)
+    if store:
+        raise ValueError(f"store: {store!r} is not a redis://, rediss:// or unix:// URL (or empty: the state dir)")
+    from .local import LocalStore
+
+    return LocalStore(state_dir)

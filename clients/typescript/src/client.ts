@@ -110,8 +110,12 @@ export class Client {
     this.timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
     const keys = clientKeys(options, curveKeyPair); // throws InvalidArgument before any socket exists
     this.curve = keys !== undefined;
-    this.socket = new Dealer({ linger: 0, sendTimeout: this.timeoutMs, ...keys });
-    this.socket.connect(this.endpoint);
+    // Several endpoints, comma-separated: a broker and its standbys on a
+    // shared session store, one serving at a time; requests go to whichever
+    // is connected (immediate) and wait, up to their timeout, while none is.
+    const endpoints = this.endpoint.split(",").map((e) => e.trim()).filter((e) => e);
+    this.socket = new Dealer({ linger: 0, sendTimeout: this.timeoutMs, immediate: endpoints.length > 1, ...keys });
+    for (const endpoint of endpoints) this.socket.connect(endpoint);
     this.reader = this.read();
   }
 

@@ -101,6 +101,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["free_slabs", "int"],
     ["sessions", {"list": "str"}, []],
     ["store", "str", ""],
+    ["owners", {"map": "str"}, {}],
     ["compute", {"struct": "Compute"}, null],
   ]},
   "WorkerHeartbeat": {"tag": null, "array": false, "fields": [
@@ -348,6 +349,7 @@ export interface WorkerReady {
   freeSlabs: number;
   sessions?: string[];
   store?: string;
+  owners?: Record<string, string>;
   compute?: Compute;
 }
 

@@ -23,6 +23,19 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
   before(() => { client = new Client(endpoint, { timeoutMs: 60_000 }); });
   after(() => client.close());
 
+  test("with several endpoints, requests go to the one that serves", async () => {
+    // A standby's endpoint where nothing listens (port 1), then the broker's.
+    const both = new Client(`tcp://127.0.0.1:1,${endpoint}`, { timeoutMs: 60_000 });
+    try {
+      const session = await both.openSession({ system: "You are terse.", maxTokens: 2 });
+      const chunks = await collect(session.chat("Name a fruit."));
+      assert.equal(chunks.reduce((n, c) => n + c.tokenIds.length, 0), 2);
+      await session.close();
+    } finally {
+      await both.close();
+    }
+  });
+
   test("a session resumes by id from another client", async () => {
     const session = await client.openSession({ system: "You are terse.", maxTokens: 4 });
     await collect(session.chat("Name a fruit."));
