@@ -542,6 +542,8 @@ class Broker:
         worker = self.registry.add_worker(identity, ready, now)
         for session_id in ready.sessions:
             self.lifecycle.adopt(worker, session_id, now)
+        for head in ready.stored:
+            self.lifecycle.adopt_stored(worker, head, now)
         self.lifecycle.clean_stranded(worker)
         log.info(
             "worker_ready",

@@ -200,6 +200,18 @@ class Lifecycle:
             log.info("stranded_session_deleted", session=session_id, worker=worker.worker_id)
             self.sends.own_request(worker, Op.CLOSE, session_id, Close())
 
+    def adopt_stored(self, worker: WorkerEntry, head: RecordHead, now: float) -> None:
+        """A hibernated session in the worker's store that the broker does not
+        know (its store is not ours: a broker restarted, or on another
+        host): hibernated there, restored on a worker reading that store."""
+        store = worker.ready.store
+        known = head.session_id in self.registry.sessions or head.session_id in self.stranded.get(store, ())
+        if store == self.store.store_id or known or not is_session_id(head.session_id):
+            return
+        last = now - max(0.0, time.time() - head.updated)
+        session = self.registry.add_session(head.session_id, None, b"", head.owner, last, _opened_from(head), store)
+        session.opened_at = head.created
+
     def adopt(self, worker: WorkerEntry, session_id: str, now: float) -> None:
         """A session the worker kept (across our restart, or its
         re-registering): live there, unless another worker holds it already

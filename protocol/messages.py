@@ -133,6 +133,20 @@ class Compute(msgspec.Struct, kw_only=True, omit_defaults=True):
     calibrate_s: float = 0.0  # seconds that calibration and measuring took at start
 
 
+class StoredSession(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A session in a store, hibernated: what the broker keeps of it (and
+    reads first of every record: kvmux/sessions' RecordHead)."""
+
+    session_id: str
+    model: str
+    owner: str = ""
+    created: float = 0.0  # wall-clock seconds
+    updated: float = 0.0
+    sink: int
+    window: int
+    tokens: int = 0  # history and pending tokens
+
+
 class WorkerReady(_Body):
     model: str
     slabs: int
@@ -147,6 +161,9 @@ class WorkerReady(_Body):
     store: str = ""  # its session store ("host:state dir", or a Redis URL): who reads the same records
     # each live session's owner, from its record: for a broker that does not read this worker's store
     owners: dict[str, str] = {}
+    # hibernated sessions in its store, when that is a directory and the broker is reached over tcp
+    # (perhaps from another host, which cannot read it)
+    stored: list[StoredSession] = []
     compute: Compute | None = None
 
 

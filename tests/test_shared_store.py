@@ -211,6 +211,12 @@ def test_without_a_shared_store_a_remote_hosts_sessions_stay_with_it_and_go_with
                 assert time.monotonic() < deadline, stack.logs()
                 time.sleep(0.2)
             assert there.info(token_ids=True).token_ids == before  # answered by the host that stores it
+            owners = {s.session_id: s.owner for s in client.list_sessions()}
+
+            stack.restart_broker()  # a broker that never read the remote host's store
+            stack.wait_workers(2)  # the remote worker lists what its store holds when it registers again
+            assert {s.session_id: s.owner for s in client.list_sessions()} == owners
+            assert there.info(token_ids=True).token_ids == before
             turn(there, "And one more?")  # restored where its record is
             info = there.info()
             assert info.state == "live" and info.worker_id == worker_id(remote) and info.restores == 1

@@ -108,12 +108,15 @@ KERNEL_STACKS = {"native": "spec_stack", "haswell": "haswell_stack"}
 def test_greedy_speculative_equals_off_on_twenty_prompts_in_mixed_batches(request, near_tie, kernels):
     """20 prompts, short and long, ten sessions at a time sharing passes
     (speculating and plain ones together): `auto` gives the tokens `off`
-    gives (or parts at a near tie), and drafts were made and taken on the edits."""
+    gives (or parts at a near tie), and drafts were made and taken on the edits.
+    On the forced AVX2 kernels the ten edits and two of the long prompts:
+    all twenty there cost CI 80 s more for the same passes."""
     stack = request.getfixturevalue(KERNEL_STACKS[kernels])
     exact = stack.exact()
+    long = PROMPTS[10:] if kernels == "native" else PROMPTS[10:12]
     with Client(stack.frontend, timeout=600) as client:
-        plain = run_all(client, PROMPTS[:10], speculative="off") + run_all(client, PROMPTS[10:], speculative="off")
-        spec = run_all(client, PROMPTS[:10]) + run_all(client, PROMPTS[10:])
+        plain = run_all(client, PROMPTS[:10], speculative="off") + run_all(client, long, speculative="off")
+        spec = run_all(client, PROMPTS[:10]) + run_all(client, long)
     for (a, ra, prompt), (b, rb, _) in zip(plain, spec, strict=True):
         assert ra.drafted_tokens == 0
         if near_tie(prompt, a, b, exact) is None:
@@ -121,7 +124,7 @@ def test_greedy_speculative_equals_off_on_twenty_prompts_in_mixed_batches(reques
     edits = spec[:10]
     assert sum(r.accepted_tokens for _, r, _ in edits) > sum(len(t) for t, _, _ in edits) // 3  # edits drafted a lot
     assert any(r.accepted_tokens < r.drafted_tokens for _, r, _ in spec)  # and some drafts failed
-    assert sum(len(t) for t, _, _ in spec) > 1500  # hundreds of tokens per long generation
+    assert sum(len(t) for t, _, _ in spec) > 150 * len(long)  # hundreds of tokens per long generation
     drafted = sum(r.drafted_tokens for _, r, _ in spec)
     deadline = time.monotonic() + 10  # the counts come with the worker's next heartbeat
     while (worker := broker_stats(stack.admin).workers[0]).drafted < drafted and time.monotonic() < deadline:
@@ -136,7 +139,10 @@ def test_speculation_past_the_window_wrap_equals_off(request, near_tie, kernels)
     take back rejected drafts decode what they decode plainly."""
     stack = request.getfixturevalue(KERNEL_STACKS[kernels])
     exact = stack.exact()
-    prompts = [(text, 300) for text, _ in PROMPTS[:4]] + [(text, 200) for text, _ in PROMPTS[10:12]]
+    length = 1 if kernels == "native" else 0.5  # the window wraps 2-4 times on the forced AVX2 kernels, 4-6 here
+    prompts = [(text, int(300 * length)) for text, _ in PROMPTS[:4]] + [
+        (text, int(200 * length)) for text, _ in PROMPTS[10:12]
+    ]
     with Client(stack.frontend, timeout=600) as client:
         plain = run_all(client, prompts, window=64, speculative="off")
         spec = run_all(client, prompts, window=64, speculative="lookup")

@@ -8,6 +8,7 @@ came over the pipe; it never touches the scheduler or an MLX object.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ import zmq
 from kvmux import keys, logs, paths
 from kvmux import protocol as p
 from kvmux.protocol import Op
+from kvmux.sessions import LocalStore, StoreError
 from kvmux.settings import AtLeastOne, Count, NonNegative, WorkerSettings, doc
 
 from . import control
@@ -298,6 +300,7 @@ class Worker:
             free_slabs=self.status.free_slabs,
             sessions=self.status.sessions,
             owners=self.status.owners,
+            stored=self._stored(endpoint),
         )
         sock.send_multipart([b"", p.envelope(Op.READY), p.encode(ready)])
         self.broker = sock
@@ -305,6 +308,18 @@ class Worker:
         self.last_heard = time.monotonic()
         self.next_beat = self.last_heard + self.config.heartbeat_s
         log.info("worker_registering", broker=endpoint, worker=self.id)
+
+    def _stored(self, endpoint: str) -> list[p.StoredSession]:
+        """The hibernated sessions in our store, for a broker over tcp (maybe
+        on another host) when the store is a directory it may not read."""
+        if self.config.store or not endpoint.startswith("tcp://"):
+            return []  # a shared store the broker reads itself, or a broker on this host
+        store, heads = LocalStore(self.config.state_dir), []
+        for session_id in store.session_ids():
+            if session_id not in self.status.sessions:
+                with contextlib.suppress(StoreError):  # unreadable: restoring it will say so
+                    heads.append(store.head(session_id))
+        return heads
 
     def _reregister(self) -> None:
         """Register anew on a fresh socket; the sessions we hold stay ours

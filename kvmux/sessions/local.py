@@ -25,10 +25,8 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvmux.protocol import DECODE_ERRORS
-
 from .files import atomic_write
-from .record import Fenced, RecordHead, SessionRecord, StoreError, decode_head, decode_record, encode, is_session_id
+from .record import Fenced, SessionRecord, StoreError, encode, is_session_id
 from .store import SessionStore
 
 RECORD = "record.msgpack"
@@ -91,23 +89,13 @@ class LocalStore(SessionStore):
             atomic_write(folder / RECORD, data)  # mkstemp makes it 0600
         return len(data)
 
-    def load(self, session_id: str) -> SessionRecord:
-        return self._read(session_id, decode_record)
-
-    def head(self, session_id: str) -> RecordHead:
-        return self._read(session_id, decode_head)
-
-    def _read(self, session_id: str, decode):
-        path = self.dir(session_id) / RECORD
+    def record_bytes(self, session_id: str) -> bytes | None:
         try:
-            record = decode(path.read_bytes())
+            return (self.dir(session_id) / RECORD).read_bytes()
         except FileNotFoundError:
-            raise StoreError(f"no record for session {session_id}") from None
-        except (OSError, *DECODE_ERRORS) as exc:
+            return None
+        except OSError as exc:
             raise StoreError(f"session {session_id}: unreadable record ({exc})") from None
-        if record.session_id != session_id:
-            raise StoreError(f"session {session_id}: the record names {record.session_id}")
-        return record
 
     def save_snapshot(self, session_id: str, slab: list, logits) -> tuple[str, int]:
         from . import snapshot  # MLX: only a worker writes snapshots

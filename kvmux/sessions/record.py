@@ -6,8 +6,8 @@ is: the worker's live session (worker/engine.py: `LiveSession`) is a
 subclass, so turning one into the other is a copy of these fields by name
 (`state_fields`), never a hand-written list. `SessionRecord` adds what the
 record derives from the live session when it is written (the model, the
-conversation, the time). `RecordHead` is the part the broker reads of every
-record, a projection of `SessionRecord`: msgspec skips the rest unread.
+conversation, the time). `RecordHead` (protocol's StoredSession) is the part
+the broker reads of every record: msgspec skips the rest unread.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvmux.protocol import ChatMessage, Sampling
+from kvmux.protocol import ChatMessage, Sampling, StoredSession
 
 RECORD_VERSION = 1
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")  # the broker's uuid4().hex
@@ -75,21 +75,9 @@ def state_fields(state: SessionState) -> dict[str, Any]:
     return {name: list(value) if isinstance(value, list) else value for name, value in fields.items()}
 
 
-def _projection(name: str, of: type[msgspec.Struct], fields: tuple[str, ...], doc: str) -> type[msgspec.Struct]:
-    """A Struct of some of `of`'s fields, with their types and defaults."""
-    info = {f.name: f for f in msgspec.structs.fields(of)}
-    spec = [(f, info[f].type) if info[f].required else (f, info[f].type, info[f].default) for f in fields]
-    projected = msgspec.defstruct(name, spec, kw_only=True, module=__name__)
-    projected.__doc__ = doc
-    return projected
-
-
-RecordHead = _projection(
-    "RecordHead",
-    SessionRecord,
-    ("session_id", "model", "owner", "created", "updated", "sink", "window", "tokens"),
-    "What the broker needs of a record.",
-)
+# What the broker reads of every record (msgspec skips the rest unread),
+# and what a worker tells a broker that cannot read its store (READY.stored).
+RecordHead = StoredSession
 
 encode = msgspec.msgpack.Encoder().encode
 _record_decoder = msgspec.msgpack.Decoder(SessionRecord)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import redis
 
-from .record import Fenced, RecordHead, SessionRecord, StoreError, StoreUnavailable, decode_head, decode_record, encode
+from .record import Fenced, SessionRecord, StoreUnavailable, encode
 from .store import SessionStore
 
 PREFIX = "kvmux:"
@@ -109,24 +109,9 @@ class RedisStore(SessionStore):
             raise Fenced(f"session {record.session_id} was placed again (epoch {current}, this write's {epoch})")
         return len(data)
 
-    def load(self, session_id: str) -> SessionRecord:
-        return self._read(session_id, decode_record)
-
-    def head(self, session_id: str) -> RecordHead:
-        return self._read(session_id, decode_head)
-
-    def _read(self, session_id: str, decode):
+    def record_bytes(self, session_id: str) -> bytes | None:
         with _reachable(self.store_id):
-            data = self.redis.hget(_key(session_id), "record")
-        if data is None:
-            raise StoreError(f"no record for session {session_id}")
-        try:
-            record = decode(data)
-        except Exception as exc:  # msgspec's decode and validation errors
-            raise StoreError(f"session {session_id}: unreadable record ({exc})") from None
-        if record.session_id != session_id:
-            raise StoreError(f"session {session_id}: the record names {record.session_id}")
-        return record
+            return self.redis.hget(_key(session_id), "record")
 
     def save_snapshot(self, session_id: str, slab: list, logits) -> tuple[str, int]:
         from . import snapshot  # MLX: only a worker writes snapshots

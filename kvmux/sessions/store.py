@@ -26,7 +26,9 @@ import abc
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from .record import RecordHead, SessionRecord
+from kvmux.protocol import DECODE_ERRORS
+
+from .record import RecordHead, SessionRecord, StoreError, decode_head, decode_record
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -48,13 +50,30 @@ class SessionStore(abc.ABC):
         """Write the record atomically, if `epoch` is still the session's
         (else raise Fenced); returns the bytes written."""
 
-    @abc.abstractmethod
     def load(self, session_id: str) -> SessionRecord:
         """The whole record; raises StoreError when missing or unreadable."""
+        return self._decoded(session_id, decode_record)
 
-    @abc.abstractmethod
     def head(self, session_id: str) -> RecordHead:
         """What the broker needs of the record; raises StoreError."""
+        return self._decoded(session_id, decode_head)
+
+    def _decoded(self, session_id: str, decode):
+        data = self.record_bytes(session_id)
+        if data is None:
+            raise StoreError(f"no record for session {session_id}")
+        try:
+            record = decode(data)
+        except DECODE_ERRORS as exc:
+            raise StoreError(f"session {session_id}: unreadable record ({exc})") from None
+        if record.session_id != session_id:
+            raise StoreError(f"session {session_id}: the record names {record.session_id}")
+        return record
+
+    @abc.abstractmethod
+    def record_bytes(self, session_id: str) -> bytes | None:
+        """The record as stored, None when there is none; raises StoreError
+        when it cannot be read."""
 
     @abc.abstractmethod
     def save_snapshot(self, session_id: str, slab: list, logits: mx.array | None) -> tuple[str, int]:

@@ -42,6 +42,7 @@ SCHEMAS: dict[str, type] = {
     "Refused": p.Refused,
     "Endpoint": p.Endpoint,
     "Compute": p.Compute,
+    "StoredSession": p.StoredSession,
     **{t.__name__: t for t in p.ReplyBody.__args__},
 }
 
@@ -214,6 +215,29 @@ CASES: list[tuple[str, Any]] = [
             store="h:/var/lib/kvmux",
         ),
     ),
+    (
+        "worker_ready_stored",
+        p.WorkerReady(
+            model="m",
+            slabs=2,
+            slab_bytes=1,
+            sink=4,
+            max_window=64,
+            version=1,
+            pid=7,
+            host="h",
+            free_slabs=1,
+            sessions=[SID],
+            store="redis://h:6379/0",
+            owners={SID: U},
+            stored=[
+                p.StoredSession(
+                    session_id="f" * 32, model="m", owner=U, created=1.5, updated=2.25, sink=4, window=64, tokens=2**40
+                )
+            ],
+        ),
+    ),
+    ("stored_session", p.StoredSession(session_id=SID, model="m", sink=0, window=1)),
     ("restored", p.Restored(session_id=SID, seconds=0.012, replayed_tokens=37)),
     # replies
     (

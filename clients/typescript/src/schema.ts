@@ -102,6 +102,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["sessions", {"list": "str"}, []],
     ["store", "str", ""],
     ["owners", {"map": "str"}, {}],
+    ["stored", {"list": {"struct": "StoredSession"}}, []],
     ["compute", {"struct": "Compute"}, null],
   ]},
   "WorkerHeartbeat": {"tag": null, "array": false, "fields": [
@@ -177,6 +178,16 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["rows_alone", "bool", false],
     ["pad_cost", "float", 1.0],
     ["calibrate_s", "float", 0.0],
+  ]},
+  "StoredSession": {"tag": null, "array": false, "fields": [
+    ["session_id", "str"],
+    ["model", "str"],
+    ["owner", "str", ""],
+    ["created", "float", 0.0],
+    ["updated", "float", 0.0],
+    ["sink", "int"],
+    ["window", "int"],
+    ["tokens", "int", 0],
   ]},
   "SessionOpened": {"tag": "opened", "array": false, "fields": [
     ["session_id", "str"],
@@ -350,6 +361,7 @@ export interface WorkerReady {
   sessions?: string[];
   store?: string;
   owners?: Record<string, string>;
+  stored?: StoredSession[];
   compute?: Compute;
 }
 
@@ -435,6 +447,17 @@ export interface Compute {
   rowsAlone?: boolean;
   padCost?: number;
   calibrateS?: number;
+}
+
+export interface StoredSession {
+  sessionId: string;
+  model: string;
+  owner?: string;
+  created?: number;
+  updated?: number;
+  sink: number;
+  window: number;
+  tokens?: number;
 }
 
 export interface SessionOpened {
