@@ -7,7 +7,6 @@ redis-server restarted (AOF) loses nothing."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -112,7 +111,8 @@ def test_a_worker_declared_lost_cannot_overwrite_the_sessions_new_home(redis_ser
             assert session.info(token_ids=True).token_ids == home.token_ids
             assert len(turn(session, "Thanks.")) > 0
     finally:
-        os.kill(stack.workers[1].pid, signal.SIGCONT) if stack.workers[1].poll() is None else None
+        if stack.workers[1].poll() is None:
+            stack.workers[1].send_signal(signal.SIGCONT)  # never left stopped: stop() must reach it
         stack.stop()
 
 
