@@ -3,6 +3,8 @@ under the daemon's state dir.
 
     <state_dir>/sessions/<session_id>/record.msgpack      settings, conversation, tokens
     <state_dir>/sessions/<session_id>/slab-<n>.safetensors the slab when last snapshotted
+    <state_dir>/sessions/<session_id>/epoch                its placement count (fencing)
+    <state_dir>/sessions/broker.lock                       the broker's lease
 
 The record is rewritten after every request a worker completes (a few KB to
 a few hundred KB: it holds the token history). Every write is atomic (temp
