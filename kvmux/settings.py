@@ -80,8 +80,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     store: Annotated[
         str,
         doc(
-            "Where sessions are kept: a Redis URL (redis://[user:password@]host:port/db, rediss:// for TLS,"
-            " unix:///path.sock?db=N) shared by workers on any host, or the state dir's directory, one host's.",
+            "Where sessions are kept: a Redis URL (redis://user:password@host:port/db, the user and password"
+            " optional; rediss:// for TLS; unix:///path.sock?db=N) shared by workers on any host, or the state"
+            " dir's directory, one host's.",
             "the state dir",
             envvar="KVMUX_STORE",
         ),
