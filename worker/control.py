@@ -36,11 +36,10 @@ class Status(msgspec.Struct, array_like=True):
 
     free_slabs: int
     running: int  # jobs (appends and generates) in progress
-    sessions: list[str]  # live sessions held in slabs
+    sessions: dict[str, str]  # live sessions held in slabs, each with its owner (READY carries both)
     draining: bool = False  # DRAIN was seen: `running` counts every job there will be
     drafted: int = 0  # speculative decoding, over the worker's life: tokens drafted
     accepted: int = 0  # and accepted
-    owners: dict[str, str] = {}  # each live session's owner, from its record (READY carries them)
 
 
 def encode_status(status: Status) -> bytes:

@@ -102,11 +102,10 @@ class Scheduler:
         status = control.Status(
             self.pool.free,
             len(self.jobs),
-            list(self.sessions),
+            {session_id: session.owner for session_id, session in self.sessions.items()},
             self.draining,
             engine.drafted,
             engine.accepted,
-            {session_id: session.owner for session_id, session in self.sessions.items()},
         )
         if status != self.reported:
             self.pipe.send_multipart([control.STATUS, control.encode_status(status)])

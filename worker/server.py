@@ -77,7 +77,7 @@ class Worker:
         self.ctx = zmq.Context.instance()
         self.drain_requested = False  # set by SIGTERM/SIGINT
         self.ready_body = b""  # from the compute thread's LOADED
-        self.status = control.Status(free_slabs=config.slabs, running=0, sessions=[])  # its last STATUS
+        self.status = control.Status(free_slabs=config.slabs, running=0, sessions={})  # its last STATUS
         self.broker: zmq.Socket | None = None
         self.pipe: zmq.Socket | None = None
         self.poller = zmq.Poller()
@@ -298,8 +298,8 @@ class Worker:
         ready = msgspec.structs.replace(
             p.decode_body(Op.READY, self.ready_body),
             free_slabs=self.status.free_slabs,
-            sessions=self.status.sessions,
-            owners=self.status.owners,
+            sessions=list(self.status.sessions),
+            owners=self.status.sessions,
             stored=self._stored(endpoint),
         )
         sock.send_multipart([b"", p.envelope(Op.READY), p.encode(ready)])
