@@ -235,6 +235,45 @@ def peers(
 
 
 @bench_app.command()
+def agent(
+    steps: int = typer.Option(30, help="Requests of the scripted tool loop, per server."),
+    max_tokens: int = typer.Option(48, help="Reply length per step (greedy)."),
+    servers: str = typer.Option(
+        "kvmux,mlx_lm", help="Servers to run the loop on: kvmux (through `kvmux http`), mlx_lm (mlx_lm.server)."
+    ),
+    constraint_reps: int = typer.Option(
+        5, help="Interleaved (plain, JSON schema) pairs for the constrained-decoding cost (with kvmux; 0: skip)."
+    ),
+    constraint_tokens: int = typer.Option(96, help="Most tokens per constrained-decoding reply."),
+    model_dir: Path | None = typer.Option(
+        None, help="The mlx-lm directory for mlx_lm.server (default: exported from the embedded GGUF once)."
+    ),
+    output: Path = typer.Option(Path("bench/results/agent.json"), help="Report path; the plot goes next to it (.png)."),
+) -> None:
+    """An agent's tool loop through `kvmux http` against mlx_lm.server, and what a JSON schema costs decode."""
+    from kvmux import logs
+
+    from .agent import SERVERS, AgentConfig, plot, run
+    from .peers import default_model_dir
+
+    chosen = tuple(s.strip() for s in servers.split(",") if s.strip())
+    if not chosen or set(chosen) - set(SERVERS):
+        raise typer.BadParameter(f"one or more of {', '.join(SERVERS)}", param_hint="--servers")
+    logs.configure()
+    cfg = AgentConfig(
+        steps=steps,
+        max_tokens=max_tokens,
+        servers=chosen,
+        constraint_reps=constraint_reps,
+        constraint_tokens=constraint_tokens,
+    )
+    doc = run(cfg, output, model_dir or default_model_dir())
+    png = plot(doc, output.with_suffix(".png"))
+    typer.echo(json.dumps(doc["summary"], indent=1))
+    typer.echo(f"report: {output}\nplot: {png}")
+
+
+@bench_app.command()
 def models(
     model: list[str] = typer.Option(
         None, "--model", help="A GGUF file or mlx-lm dir; repeat for each (default: the embedded model)."

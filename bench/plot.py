@@ -49,7 +49,7 @@ def plot_soak(report: dict, path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_perf(report: dict, path: Path) -> Path:
@@ -76,10 +76,10 @@ def plot_perf(report: dict, path: Path) -> Path:
     for ax in (ax0, ax1):
         ax.grid(alpha=0.3)
     fig.suptitle("kvmux bench perf")
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -367,7 +367,7 @@ class Broker:
         self.to_worker(session.worker, pending.route, pending.env_raw, pending.body)
 
     def forward(self, frame: ClientFrame) -> None:
-        """APPEND, GENERATE, INFO, CLOSE, CREDIT: to the worker holding the
+        """APPEND, GENERATE, INFO, CLOSE, CREDIT, REWIND: to the worker holding the
         session's slab, untouched; for a hibernated session see Lifecycle.dormant."""
         env = frame.env
         session = self._session(frame)
@@ -446,6 +446,7 @@ class Broker:
         Op.DRAIN: _drain_op,
         Op.RESUME: _resume,
         Op.SESSIONS: _list_sessions,
+        Op.REWIND: forward,
     }
 
     def _session(self, frame: ClientFrame) -> SessionEntry:

@@ -22,5 +22,5 @@ from .codec import (  # noqa: F401  (the package re-exports its API)
     envelope,
     error_body,
 )
-from .errors import ErrorCode, OverloadReason, SpeculativeMode, StopReason  # noqa: F401
+from .errors import ErrorCode, FormatType, OverloadReason, SpeculativeMode, StopReason, ToolChoice  # noqa: F401
 from .messages import *  # noqa: F403  (the message Structs are the API)

@@ -48,6 +48,7 @@ class Op:
     DRAIN = "drain"
     RESUME = "resume"  # a handle on an existing session (the broker answers)
     SESSIONS = "sessions"  # list every session, live and hibernated
+    REWIND = "rewind"  # take a session back to the end of an earlier turn
     # worker <-> broker
     READY = "ready"
     HEARTBEAT = "heartbeat"
@@ -74,6 +75,7 @@ REQUEST_BODIES: dict[str, type] = {
     Op.RESUME: m.Resume,
     Op.SESSIONS: m.ListSessions,
     Op.HIBERNATE: m.Hibernate,
+    Op.REWIND: m.Rewind,
 }
 WORKER_BODIES: dict[str, type] = {
     Op.READY: m.WorkerReady,
@@ -82,7 +84,7 @@ WORKER_BODIES: dict[str, type] = {
     Op.RESTORED: m.Restored,
 }
 # Ops that address an existing session (envelope session_id required).
-SESSION_OPS = frozenset({Op.APPEND, Op.GENERATE, Op.CANCEL, Op.CREDIT, Op.INFO, Op.CLOSE, Op.RESUME})
+SESSION_OPS = frozenset({Op.APPEND, Op.GENERATE, Op.CANCEL, Op.CREDIT, Op.INFO, Op.CLOSE, Op.RESUME, Op.REWIND})
 REPLY_OPS = frozenset({Op.PARTIAL, Op.FINAL, Op.ERROR})
 
 

@@ -52,6 +52,25 @@ class StopReason(_Code):
     MAX_TOKENS = "max_tokens"
     STOP = "stop"  # a stop string matched (it is not sent)
     CANCELLED = "cancelled"
+    TOOL_CALLS = "tool_calls"  # the reply called tools (GenerateResult.tool_calls)
+
+
+class ToolChoice(_Code):
+    """Sampling.tool_choice, when it is not a NamedTool."""
+
+    AUTO = "auto"  # the model chooses: its calls are parsed
+    NONE = "none"  # no calls: the reply is text
+    REQUIRED = "required"  # at least one call, enforced by a grammar
+
+
+class FormatType(_Code):
+    """Format.type: what structured output a reply must be."""
+
+    JSON_OBJECT = "json_object"
+    JSON_SCHEMA = "json_schema"
+    LARK = "lark"
+    GBNF = "gbnf"
+    REGEX = "regex"
 
 
 class SpeculativeMode(_Code):

@@ -22,9 +22,74 @@ class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
 # ---------------------------------------------------------------- requests
 
 
+class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A call the model made: `arguments` is the JSON text it generated."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
+    """A message of the conversation. An assistant message may carry the
+    tool calls it made, a `tool` message answers one (`tool_call_id`)."""
+
     role: str
-    content: str
+    content: str = ""
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
+    name: str | None = None  # a tool message: the function it answers
+
+
+class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A function the model may call: `parameters` is its arguments' JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+
+
+class NamedTool(msgspec.Struct, kw_only=True):
+    """`tool_choice`: call this function."""
+
+    name: str
+
+
+class Format(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a reply must be, enforced while it is generated (worker/constraint.py):
+    `type` json_object (any JSON object), json_schema (`schema`), lark or gbnf
+    (`grammar`), or regex (`grammar`)."""
+
+    type: str
+    schema: dict[str, Any] | None = None
+    grammar: str | None = None
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A token and its log-probability under the model (before sampling's changes)."""
+
+    token: int
+    logprob: float
+    text: str
+
+
+class Logprobs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A generated token's log-probability and the `top` most likely at its place."""
+
+    token: int
+    logprob: float
+    text: str
+    top: list[TokenLogprob] = []
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of tool call `index`: its id and name come first, once;
+    `arguments` is the next piece of its JSON text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class Sampling(_Body):
@@ -38,10 +103,17 @@ class Sampling(_Body):
     seed: int | None = None
     stop: list[str] | None = None
     speculative: str | None = None  # a SpeculativeMode value: auto (the default) | off | lookup | draft
+    format: Format | None = None  # the reply must match this (structured output)
+    # The session's tools: auto (the model chooses; the default), none (no calls),
+    # required (at least one call) or a NamedTool (that function).
+    tool_choice: str | NamedTool | None = None
+    parallel_tool_calls: bool | None = None  # more than one call in a reply (default true)
+    logprobs: int | None = None  # each token's log-probability, and this many most likely (0..20)
 
 
 class OpenSession(_Body):
     system: str | None = None
+    tools: list[Tool] = []  # functions the model may call, rendered by its chat template
     # Template variables for the model's chat template, on every rendering
     # of this session (vLLM's chat_template_kwargs: {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -83,6 +155,15 @@ class Credit(_Body):
 
     request_id: int
     n: int
+
+
+class Rewind(_Body):
+    """Take the session back to where its conversation held its first
+    `messages` messages (the end of an earlier turn: a regenerate, or an edit
+    of the last message): what came after is gone from its history, its
+    slab and its record."""
+
+    messages: int
 
 
 class Info(_Body):
@@ -213,8 +294,12 @@ class Appended(Reply, tag="appended"):
 
 
 class Chunk(Reply, tag="chunk"):
+    """Generated tokens and their text; a tool call's text comes as `tool_calls` deltas instead."""
+
     token_ids: list[int]
     text: str
+    logprobs: list[Logprobs] = []  # per token, when asked for (Sampling.logprobs)
+    tool_calls: list[ToolCallDelta] = []
 
 
 class GenerateResult(Reply, tag="result"):
@@ -227,6 +312,8 @@ class GenerateResult(Reply, tag="result"):
     history_tokens: int
     drafted_tokens: int = 0  # proposed to the verifier (speculative decoding)
     accepted_tokens: int = 0  # of them, the ones that stood
+    content: str = ""  # the reply's text less its tool calls (set when tools are enabled)
+    tool_calls: list[ToolCall] = []  # the calls the reply made (stop_reason tool_calls)
 
 
 class SessionInfo(Reply, tag="info"):
@@ -246,6 +333,15 @@ class SessionInfo(Reply, tag="info"):
     state: str = "live"  # live (in a slab) | hibernated (in the store)
     restores: int = 0
     last_restore_s: float = 0.0
+
+
+class Rewound(Reply, tag="rewound"):
+    messages: int  # the conversation's messages now
+    history_tokens: int  # the session's tokens now
+    kept_tokens: int  # of them, still in its slab: reused
+    # the rest, fed again with the next append or generate (the last kept token, whose
+    # logits the next reply starts from, or more where the slab could not take the turn back)
+    pending_tokens: int
 
 
 class Closed(Reply, tag="closed"):
@@ -353,6 +449,7 @@ ReplyBody = (
     | Chunk
     | GenerateResult
     | SessionInfo
+    | Rewound
     | Closed
     | Hibernated
     | SessionList

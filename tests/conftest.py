@@ -4,6 +4,7 @@ with the real embedded model. Nothing here stands in for any part."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,9 +14,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import warnings
 from pathlib import Path
 
+import openai
 import pytest
 import zmq
 import zmq.auth
@@ -37,6 +41,43 @@ def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+KEY = "sk-test-kvmux"  # an API key of the gateways tests start
+
+
+@contextlib.contextmanager
+def http_gateway(stack: Stack, tmp: Path, keys: list[str]):
+    """`kvmux http` on a free port in front of `stack`, with these API keys; yields its base URL."""
+    key_file = tmp / "keys"
+    key_file.write_text("".join(f"{key}\n" for key in keys))
+    port = free_tcp_port()
+    proc = subprocess.Popen(
+        kvmux_command("http", "--endpoint", stack.frontend, "--port", str(port), "--api-key-file", str(key_file)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=1) as reply:
+                if reply.status == 200:
+                    break
+        except (urllib.error.URLError, OSError):
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.2)
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def api(base: str, key: str = KEY) -> openai.OpenAI:
+    """The openai package's client on a gateway."""
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=300)
 
 
 def kvmux_command(*args: str) -> list[str]:

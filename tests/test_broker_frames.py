@@ -190,3 +190,30 @@ def test_kvmux_stats_without_a_broker_fails_fast(tmp_path):
     )
     assert done.returncode == 1 and "kvmux stats:" in done.stderr
     assert time.monotonic() - started < 30
+
+
+def test_closes_that_wait_for_a_running_generation_each_get_their_answer(raw, shared_stack):
+    """Two CLOSEs (from two connections) of a session while it generates:
+    the worker stops the generation at its next token, closes once, and
+    answers both (a second waiting close used to replace the first, which
+    then never got an answer)."""
+    _, opened = raw.call(Op.OPEN, p.OpenSession())
+    sid = opened.session_id
+    generating = raw.send(
+        Op.GENERATE, p.Generate(messages=[p.ChatMessage("user", "Tell a long story.")], max_tokens=200), sid
+    )
+    env, _ = raw.recv()
+    assert env.request_id == generating and env.op == Op.PARTIAL  # it runs
+    other = Raw(shared_stack.frontend)
+    try:
+        first, second = raw.send(Op.CLOSE, p.Close(), sid), other.send(Op.CLOSE, p.Close(), sid)
+        answers = {}
+        while first not in answers:
+            env, reply = raw.recv()
+            if env.op != Op.PARTIAL:
+                answers[env.request_id] = reply
+        assert isinstance(answers[first], p.Closed)
+        env, reply = other.recv()
+        assert env.request_id == second and isinstance(reply, p.Closed), reply
+    finally:
+        other.close()

@@ -17,7 +17,6 @@ import pytest
 from conftest import Daemon, broker_stats
 
 from kvmux.client import Client, Overloaded, SessionCorrupt, SessionNotFound
-from kvmux.protocol import ChatMessage
 from kvmux.sessions import LocalStore, SessionRecord
 from kvmux.sessions.local import RECORD
 
@@ -203,7 +202,7 @@ def test_a_record_from_before_chat_template_kwargs_loads_with_none(tmp_path):
         updated=0.0,
         sink=4,
         window=64,
-        messages=[ChatMessage("system", "Be brief."), ChatMessage("user", "Hi!")],
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
         rendered="<|im_start|>system...",
     )
     old = msgspec.msgpack.decode(msgspec.msgpack.encode(record))

@@ -3,55 +3,22 @@ package as the client, on a real broker and worker."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
-from conftest import Stack, broker_stats, kvmux_command
+from conftest import KEY, Stack, api, broker_stats, http_gateway
 
 from kvmux.client import Client
-
-KEY = "sk-test-kvmux"
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     stack = Stack(workers=1, slabs=8)
-    keys = tmp_path_factory.mktemp("http") / "keys"
-    keys.write_text(f"{KEY}\nsk-other\n")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        kvmux_command("http", "--endpoint", stack.frontend, "--port", str(port), "--api-key-file", str(keys)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=1) as reply:
-                if reply.status == 200:
-                    break
-        except (urllib.error.URLError, OSError):
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.2)
-    yield stack, base
-    proc.terminate()
-    proc.wait(10)
+    with http_gateway(stack, tmp_path_factory.mktemp("http"), [KEY, "sk-other"]) as base:
+        yield stack, base
     stack.stop()
-
-
-def api(base: str, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=300)
 
 
 def ask(client: openai.OpenAI, messages, **options):
@@ -120,6 +87,25 @@ def test_an_edited_earlier_message_forks_and_the_original_branch_is_untouched(ga
     assert again == original and usage.prompt_tokens_details.cached_tokens > 0
     with Client(stack.frontend, timeout=60) as kvmux:
         assert kvmux.resume_session(original).info().messages == 6  # 3 turns, none of the fork's
+
+
+def test_a_regenerate_and_an_edited_last_message_rewind_the_same_session(gateway):
+    stack, base = gateway
+    client = api(base)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    text, _, session = ask(client, history)
+    history += [{"role": "assistant", "content": text}, {"role": "user", "content": "Name a fruit."}]
+    fruit, turn, same = ask(client, history)
+    assert same == session
+    again, regenerated, same = ask(client, history)  # resent without its last reply: a regenerate
+    assert same == session and regenerated.prompt_tokens == turn.prompt_tokens and again == fruit
+    assert regenerated.prompt_tokens - regenerated.prompt_tokens_details.cached_tokens < 10  # not the history again
+    edited = [*history[:-1], {"role": "user", "content": "Name an animal."}]
+    _, usage, same = ask(client, edited)  # the last message changed
+    assert same == session and usage.prompt_tokens_details.cached_tokens > 20
+    with Client(stack.frontend, timeout=60) as kvmux:
+        info = kvmux.resume_session(session).info()
+        assert info.messages == 5  # the regenerated and the edited turns replaced the old ones
 
 
 def test_other_chat_template_kwargs_are_another_conversation(gateway):

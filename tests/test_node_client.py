@@ -1,7 +1,8 @@
 """Runs the Node client's `node --test` suite (clients/typescript) against a
 real stack, with a Python client chatting on the same daemon at the same
-time; then its destructive worker-lost test on its own; and its CURVE suite
-against a stack whose tcp frontend checks client keys."""
+time; then its destructive worker-lost test on its own; its CURVE suite
+against a stack whose tcp frontend checks client keys; and its tools,
+structured output and logprobs suite."""
 
 from __future__ import annotations
 
@@ -63,6 +64,20 @@ def test_node_suite_beside_a_python_client(stack_factory, node_package):
     lost = node_test(node_package, ["dist/test/worker-lost.test.js"], stack.frontend, KVMUX_KILL_WORKER="1")
     output, _ = lost.communicate(timeout=NODE_TIMEOUT_S)
     assert lost.returncode == 0 and "skipped 0" in output, f"{output}\n{stack.logs()}"
+
+
+def test_node_tools_structured_output_logprobs(stack_factory, node_package):
+    stack = stack_factory(workers=1, slabs=2)
+    node = node_test(node_package, ["dist/test/tools.test.js"], stack.frontend)
+    try:
+        output, _ = node.communicate(timeout=NODE_TIMEOUT_S)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert node.returncode == 0, f"{output}\n{stack.logs()}"
+    assert "# fail 0" in output or "ℹ fail 0" in output, output
+    assert "KVMUX_ENDPOINT not set" not in output, output  # the stack tests really ran
 
 
 def test_node_chats_over_curve(stack_factory, node_package):

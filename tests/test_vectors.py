@@ -43,6 +43,13 @@ def test_every_frame_type_has_vectors():
         "SessionSummary",
         "Refused",
         "Endpoint",
+        "ToolCall",
+        "Tool",
+        "NamedTool",
+        "Format",
+        "TokenLogprob",
+        "Logprobs",
+        "ToolCallDelta",
     }
     assert {v["value"]["code"] for v in MANIFEST if v["schema"] == "Error"} == {c.value for c in p.ErrorCode}
     assert {v["value"][1] for v in MANIFEST if v["schema"] == "Envelope"} >= {

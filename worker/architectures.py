@@ -4,7 +4,9 @@ class's parameter names, with what llama.cpp's convert_hf_to_gguf.py did to
 the weights undone (transformers' GGUF loader does the same on its side).
 
 - llama: q and k are stored permuted into the interleaved rope layout:
-  mlx-lm's traditional rope computes on them as they are.
+  mlx-lm's traditional rope computes on them as they are. Llama 3.1's rope
+  scaling is no metadata but a tensor, `rope_freqs`: a factor per frequency
+  (`_FactoredRoPE`).
 - qwen2 (q/k/v biases), qwen3 (q/k norms): stored as trained, NeoX rope.
 - gemma3: norm weights are stored as 1 + w (llama.cpp's RMSNorm has no
   offset), mlx-lm's Gemma RMSNorm adds the 1 itself. What the file does not
@@ -125,6 +127,28 @@ ARCHITECTURES = {
 }
 
 
+class _FactoredRoPE(nn.Module):
+    """A rope with llama.cpp's per-frequency factors (the file's `rope_freqs`,
+    which convert_hf_to_gguf.py computes from Llama 3.1's rope_scaling):
+    frequency i turns by pos * scale / (base^(2i/d) * factors[i]) radians.
+    mx.fast.rope takes those periods as `freqs`, as mlx-lm's Llama3RoPE
+    does with its own; the model's rope gives base, dims, layout and the
+    linear scaling's scale, which llama.cpp applies on top of the factors."""
+
+    def __init__(self, rope: nn.RoPE, factors: mx.array):
+        super().__init__()
+        if factors.shape != (rope.dims // 2,):
+            raise ValueError(f"GGUF tensor rope_freqs has shape {factors.shape}, not ({rope.dims // 2},)")
+        self.dims, self.traditional, self.scale = rope.dims, rope.traditional, rope.scale
+        periods = rope.base ** (mx.arange(0, rope.dims, 2, dtype=mx.float32) / rope.dims)
+        self._freqs = periods * factors.astype(mx.float32)  # "_": not a parameter load_weights expects
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=None, scale=self.scale, offset=offset, freqs=self._freqs
+        )
+
+
 def _renamer(arch: Architecture) -> Callable[[str], str]:
     layer = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(\w+)$")
     top = re.compile(r"^([a-z_]+)\.(\w+)$")
@@ -156,6 +180,7 @@ def build(meta: Meta, weights: dict[str, mx.array]) -> tuple[nn.Module, dict[str
     name = meta["general.architecture"]
     arch = find(meta)
     rename = _renamer(arch)
+    factors = weights.pop("rope_freqs.weight", None)  # one tensor for every layer's rope
     weights = {rename(k): v for k, v in weights.items()}
     if arch.norm_shift:
         weights = {k: v - arch.norm_shift if k.endswith("norm.weight") else v for k, v in weights.items()}
@@ -164,4 +189,7 @@ def build(meta: Meta, weights: dict[str, mx.array]) -> tuple[nn.Module, dict[str
     args["vocab_size"] = weights["model.embed_tokens.weight"].shape[0]
     args["tie_word_embeddings"] = "lm_head.weight" not in weights
     model = module.Model(module.ModelArgs.from_dict(args))
+    if factors is not None:
+        for layer in model.layers:
+            layer.self_attn.rope = _FactoredRoPE(layer.self_attn.rope, factors)
     return model, model.sanitize(weights)

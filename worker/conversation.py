@@ -19,7 +19,9 @@ from inspect import signature
 
 from transformers import PreTrainedTokenizerBase
 
-from kvmux.protocol import ErrorCode, ProtocolError
+from kvmux.protocol import ErrorCode, ProtocolError, Tool
+
+from .tool_calls import ToolFormat, generic_prompt, template_tools
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -33,25 +35,38 @@ def _refused(problem: str) -> ProtocolError:
 
 
 class Conversation:
-    def __init__(self, tokenizer, messages=(), rendered: str = "", kwargs: dict | None = None):
+    def __init__(
+        self, tokenizer, messages=(), rendered: str = "", kwargs: dict | None = None, tools: list[dict] | None = None
+    ):
         self._tokenizer = tokenizer
         self.messages: list[dict] = list(messages)
         self.rendered = rendered  # the text fed so far: template pieces and the replies as generated
         self.kwargs: dict = dict(kwargs or {})  # the session's chat_template_kwargs
+        self.tools: list[dict] = list(tools or [])  # for a template that renders tools (worker/tool_calls.py)
         self._closing = ""  # what closes the reply the last generation prompt opened
 
     @classmethod
-    def open(cls, tokenizer, system: str | None, kwargs: dict | None) -> Conversation:
-        """A new session's conversation, its system prompt and template
-        options tried on the template now rather than at the first append."""
+    def open(
+        cls, tokenizer, system: str | None, kwargs: dict | None, tools: list[Tool] = (), fmt: ToolFormat | None = None
+    ) -> Conversation:
+        """A new session's conversation, its system prompt, tools and
+        template options tried on the template now rather than at the first
+        append. A template that does not render tools gets them in the
+        system prompt (`fmt` generic)."""
         reserved = sorted(RESERVED_KWARGS.intersection(kwargs or ()))
         if reserved:
             raise ProtocolError(
                 ErrorCode.INVALID_ARGUMENT,
                 f"chat_template_kwargs holds template variables; {', '.join(reserved)} may not be set there",
             )
-        conv = cls(tokenizer, [{"role": "system", "content": system}] if system is not None else [], kwargs=kwargs)
-        if system is not None or kwargs:
+        rendered_tools = []
+        if tools and fmt.native:
+            rendered_tools = template_tools(tools)
+        elif tools:
+            system = generic_prompt(tools) + (f"\n\n{system}" if system else "")
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        conv = cls(tokenizer, messages, kwargs=kwargs, tools=rendered_tools)
+        if system is not None or kwargs or tools:
             conv._render([*conv.messages, {"role": "user", "content": "Hello."}], generation_prompt=True)
         return conv
 
@@ -66,7 +81,11 @@ class Conversation:
             )
         try:
             return self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
+                messages,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                tools=self.tools or None,
+                **self.kwargs,
             )
         except Exception as exc:  # raise_exception() in the template, or its errors on these messages or options
             raise _refused(f"refuses this conversation: {exc}") from None

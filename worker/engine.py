@@ -30,14 +30,21 @@ from kvmux.protocol import (
     DEFAULT_MAX_APPEND_TOKENS,
     DEFAULT_MAX_TOKENS_LIMIT,
     ErrorCode,
+    Format,
+    Logprobs,
+    NamedTool,
     ProtocolError,
     Sampling,
     SpeculativeMode,
     StopReason,
+    TokenLogprob,
+    Tool,
+    ToolChoice,
 )
 from kvmux.sessions import SessionState
 
-from . import forward, padding
+from . import forward, padding, tool_calls
+from .constraint import Constraint, Grammars, masked
 from .conversation import Conversation
 from .drafter import DraftCache, Drafter
 from .lookup import SEPARATOR, Lookup
@@ -51,6 +58,7 @@ log = logs.get("worker.engine")
 DEFAULT_MAX_TOKENS = 256
 PREFILL_CHUNK = 128  # tokens per prefill step when no other session is decoding (else worker/pace.py)
 RECENT_TOKENS = 1 << 16  # replies of all sessions the worker-wide lookup keeps
+MOST_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 class LiveSession(SessionState, kw_only=True, eq=False):
@@ -89,6 +97,11 @@ class GenerationParams:
     seed: int
     stop: list[str]
     speculative: SpeculativeMode
+    format: Format | None = None
+    tool_choice: str | NamedTool = ToolChoice.AUTO
+    parallel_tool_calls: bool = True
+    logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
+    constraint: Constraint | None = None  # the grammar this generation follows (Engine.constrain)
 
 
 @dataclass
@@ -111,6 +124,7 @@ class NewToken:
 
     token: int
     text: str
+    logprobs: Logprobs | None = None
 
 
 @dataclass
@@ -159,6 +173,8 @@ class Engine:
         self.floors = self.padding.floors if self.padding else forward.Floors()
         self.drafter = Drafter(draft) if draft and self.speculative else None
         self.recent = Lookup(bound=RECENT_TOKENS)  # replies of every session, for greedy lookups
+        self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size, self.eos)
+        self.tool_format = tool_calls.format_of(self.tokenizer.chat_template)
         self.drafted = self.accepted = 0  # over the worker's life, for stats
 
     # ------------------------------------------------------------ sessions
@@ -184,6 +200,7 @@ class Engine:
         system: str | None,
         sampling: Sampling | None,
         chat_template_kwargs: dict | None = None,
+        tools: list[Tool] | None = None,
     ) -> LiveSession:
         sink = self.max_sink if sink is None else sink
         window = self.max_window if window is None else window
@@ -192,17 +209,21 @@ class Engine:
         if not 1 <= window <= self.max_window:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"window must be within 1..{self.max_window}")
         sampling = sampling or Sampling()
-        self.params(Sampling(), sampling)  # validate the defaults now, not at the first generate
-        return LiveSession(
+        tools = tools or []
+        tool_calls.check_tools(tools)
+        session = LiveSession(
             session_id=session_id,
             sink=sink,
             window=window,
             created=time.time(),
             sampling=sampling,
+            tools=tools,
             slab=self.make_slab(sink, window),
-            conversation=Conversation.open(self.tokenizer, system, chat_template_kwargs),
+            conversation=Conversation.open(self.tokenizer, system, chat_template_kwargs, tools, self.tool_format),
             draft=self.drafter.new_cache(sink, window) if self.drafter else None,
         )
+        self.constrain(session, self.params(Sampling(), sampling))  # the defaults checked now, not at a generate
+        return session
 
     def params(self, request: Sampling, defaults: Sampling) -> GenerationParams:
         def pick(name, fallback):
@@ -219,8 +240,19 @@ class Engine:
             seed=pick("seed", int.from_bytes(os.urandom(4), "little")),
             stop=pick("stop", []),
             speculative=pick("speculative", SpeculativeMode.AUTO.value),
+            format=pick("format", None),
+            tool_choice=pick("tool_choice", ToolChoice.AUTO.value),
+            parallel_tool_calls=pick("parallel_tool_calls", True),
+            logprobs=pick("logprobs", None),
         )
         problems = []
+        if isinstance(params.tool_choice, str):
+            try:
+                params.tool_choice = ToolChoice(params.tool_choice)
+            except ValueError:
+                problems.append("tool_choice must be auto, none, required or a function ({name})")
+        if params.logprobs is not None and not 0 <= params.logprobs <= MOST_TOP_LOGPROBS:
+            problems.append(f"logprobs must be within 0..{MOST_TOP_LOGPROBS}")
         try:
             params.speculative = SpeculativeMode(params.speculative)
         except ValueError:
@@ -243,6 +275,35 @@ class Engine:
         if problems:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "; ".join(problems))
         return params
+
+    def calls_tools(self, session: LiveSession, params: GenerationParams) -> bool:
+        """Whether this generation's reply is read for tool calls."""
+        return bool(session.tools) and params.tool_choice != ToolChoice.NONE
+
+    def constrain(self, session: LiveSession, params: GenerationParams) -> None:
+        """Give a generation its grammar (params.constraint): the format's,
+        or the tool call one of tool_choice required or a named function.
+        invalid_argument for a grammar llguidance refuses, a choice of no
+        tool, or a format beside tools the model may call."""
+        params.constraint = None
+        if params.format is not None:
+            if self.calls_tools(session, params):
+                raise ProtocolError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    "format shapes a text reply: with tools, set tool_choice none to use it",
+                )
+            params.constraint = self.grammars.constraint(self.grammars.of_format(params.format), "format")
+            return
+        if not session.tools:
+            if params.tool_choice not in (ToolChoice.AUTO, ToolChoice.NONE):
+                raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "tool_choice: the session has no tools")
+            return
+        choice = params.tool_choice
+        grammar = tool_calls.grammar(
+            session.tools, choice, params.parallel_tool_calls, self.tool_format, self.grammars.marker
+        )
+        if grammar is not None:
+            params.constraint = self.grammars.constraint(grammar, "tool_choice")
 
     # ------------------------------------------------------------ tokens
 
@@ -313,18 +374,28 @@ class Engine:
         detok = self.tokenizer.detokenizer
         stops = StopMatcher(params.stop)
         result = GenerationEnd(StopReason.CANCELLED, "")
+        grammar = params.constraint
         emitted, cancelled, known = 0, False, None
-        y = sample(session.logits, 0)
+        row = session.logits  # the logits `y` is drawn from (for its logprobs)
+        y = sample(masked(row, grammar.allowed([])[1]) if grammar else row, 0)
         while True:
             rng = np.random.default_rng([params.seed & 0xFFFFFFFF, emitted]) if sampling else None
+            if grammar and known is None:
+                known = y.item()  # the grammar needs it now anyway: the lookup may as well use it
             proposal = self._propose(session, params, y, known, params.max_tokens - emitted - 1, sampling, rng)
+            offered, masks = proposal, None  # what was drafted (a draft cache settles by it)
+            if grammar:  # `y` stands: the masks are for what follows it (and each draft the grammar allows)
+                grammar.advance([y.item()])
+                drafts, masks = grammar.allowed(proposal.tokens if proposal else [])
+                proposal = proposal.cut(len(drafts)) if proposal else None
             tokens = mx.concatenate([y, mx.array(proposal.tokens)]) if proposal else y
             logits, cancelled = yield Step(session, tokens, rows=True)
+            choosing = masked(logits, masks) if grammar else logits
             if proposal:
                 if sampling:
-                    kept, following = accept_sampled(distributions(logits, *sampling), proposal, rng)
+                    kept, following = accept_sampled(distributions(choosing, *sampling), proposal, rng)
                 else:
-                    choices = mx.argmax(logits, axis=-1).tolist()
+                    choices = mx.argmax(choosing, axis=-1).tolist()
                     kept = accept_greedy(choices, proposal.tokens)
                     following = choices[kept]
                 session.drafting.update(len(proposal.tokens), kept)
@@ -334,8 +405,11 @@ class Engine:
                 self.accepted += kept
                 y_next, known = mx.array([following]), following
                 new = [y.item(), *proposal.tokens[:kept]]
+                if grammar:
+                    grammar.advance(proposal.tokens[:kept])
             else:
-                y_next, known = sample(logits, emitted + 1), None
+                kept = 0
+                y_next, known = sample(choosing, emitted + 1), None
                 mx.async_eval(y_next)
                 new = [y.item()]
             for i, token in enumerate(new):
@@ -359,16 +433,35 @@ class Engine:
                     reason = StopReason.STOP
                 elif reason:
                     text += stops.flush()  # nothing more can complete a stop string
-                cancelled = yield NewToken(token, text)
+                chances = None
+                if params.logprobs is not None:  # token i of `new` was drawn from the row before it
+                    chances = self._logprobs(row if i == 0 else logits[i - 1 : i], token, params.logprobs)
+                cancelled = yield NewToken(token, text, chances)
                 if reason:
-                    self._settle(session, len(tokens), i + 1, proposal)
+                    self._settle(session, len(tokens), i + 1, offered)
                     session.logits = logits[i : i + 1]
                     mx.eval(session.logits, [layer.state for layer in session.slab])
                     result.reason, result.text = reason, detok.text
                     self._remember(session, params, emitted)
                     return result
-            self._settle(session, len(tokens), len(new), proposal)
-            y = y_next
+            self._settle(session, len(tokens), len(new), offered)
+            y, row = y_next, logits[kept : kept + 1]
+
+    def _logprobs(self, row: mx.array, token: int, top: int) -> Logprobs:
+        """`token`'s log-probability under the model's distribution `row`
+        (its logits, before temperature, top-p or a grammar), and the `top`
+        most likely tokens there."""
+        logprobs = (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
+        decode = self.tokenizer.decode
+        best = []
+        if top:
+            ids = mx.argpartition(-logprobs, top - 1)[:top]
+            values = logprobs[ids].tolist()
+            best = sorted(
+                (TokenLogprob(t, v, decode([t])) for t, v in zip(ids.tolist(), values, strict=True)),
+                key=lambda e: -e.logprob,
+            )
+        return Logprobs(token=token, logprob=logprobs[token].item(), text=decode([token]), top=best)
 
     def _propose(
         self,

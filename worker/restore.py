@@ -13,6 +13,7 @@ from kvmux.sessions.durable import conversation_of, restorable
 
 from .conversation import Conversation
 from .engine import Engine, LiveSession
+from .tool_calls import template_tools
 
 
 def restore(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveSession, int]:
@@ -31,7 +32,11 @@ def restore(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveS
         epoch=store.claim(session_id),
         slab=slab,
         logits=logits,
-        conversation=Conversation(engine.tokenizer, *conversation_of(record)),
+        conversation=Conversation(
+            engine.tokenizer,
+            *conversation_of(record),
+            tools=template_tools(record.tools) if engine.tool_format.native else [],
+        ),
         draft=engine.drafter.new_cache(record.sink, record.window) if engine.drafter else None,
     )
     tail = record.history[record.snapshot_tokens :]

@@ -18,12 +18,14 @@ import zmq
 from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
-from kvmux.sessions import Fenced, SessionStore, StoreError, durable
+from kvmux.sessions import Fenced, SessionStore, StoreError, Turn, durable
 
 from . import control, restore
 from .engine import PREFILL_CHUNK, Engine, GenerationEnd, LiveSession, NewToken, Step
 from .pace import Pace
+from .rewind import rewind_to
 from .slab import SlabPool
+from .tool_calls import ToolCallStream, message_dict
 
 log = logs.get("worker.scheduler")
 
@@ -44,12 +46,19 @@ class Job:
     cancelled: bool = False
     credit: int = 0  # Generate.credit: chunks that may be unacknowledged; 0 = no flow control
     outstanding: int = 0  # chunks sent minus credits returned
-    close_after: tuple[bytes, int, bool] | None = None  # a close (route, request id, keep) waiting for this job
+    # the closes (route, request id, keep) waiting for this job: each gets its answer
+    close_after: list[tuple[bytes, int, bool]] = field(default_factory=list)
     saved: bool = False  # the session's record was written after this job's work
+    calls: ToolCallStream | None = None  # a generate whose reply is read for tool calls
 
     @property
     def runnable(self) -> bool:
         return self.cancelled or not self.credit or self.outstanding < self.credit
+
+    @property
+    def stopping(self) -> bool:
+        """Cancelled, or its reply's last tool call is in (parallel calls off)."""
+        return self.cancelled or (self.calls is not None and self.calls.finished)
 
 
 class Undo(NamedTuple):
@@ -59,15 +68,17 @@ class Undo(NamedTuple):
     conversation: tuple[int, str]  # Conversation.mark()
     pending: int
     raw: bool
+    turns: int
 
     @classmethod
     def of(cls, session: LiveSession) -> Undo:
-        return cls(session.conversation.mark(), len(session.pending), session.raw)
+        return cls(session.conversation.mark(), len(session.pending), session.raw, len(session.turns))
 
     def apply(self, session: LiveSession) -> None:
         session.conversation.rollback(self.conversation)
         del session.pending[self.pending :]
         session.raw = self.raw
+        del session.turns[self.turns :]
 
 
 @dataclass
@@ -159,7 +170,7 @@ class Scheduler:
             job.logits = None
             while isinstance(out, NewToken):
                 self.emit(job, out)
-                out = job.steps.send(job.cancelled)
+                out = job.steps.send(job.stopping)
             if isinstance(out, Step):
                 job.ask, job.decoding = out, out.rows
                 return True
@@ -178,13 +189,11 @@ class Scheduler:
 
     def emit(self, job: Job, decoded: NewToken) -> None:
         job.outstanding += bool(job.credit)
-        self.send(
-            job.route,
-            Op.PARTIAL,
-            job.request_id,
-            job.session.session_id,
-            p.Chunk(token_ids=[decoded.token], text=decoded.text),
-        )
+        text, calls = job.calls.push(decoded.text) if job.calls else (decoded.text, [])
+        chunk = p.Chunk(token_ids=[decoded.token], text=text, tool_calls=calls)
+        if decoded.logprobs is not None:
+            chunk.logprobs = [decoded.logprobs]
+        self.send(job.route, Op.PARTIAL, job.request_id, job.session.session_id, chunk)
 
     def finish(self, job: Job) -> None:
         self.jobs.pop(job.session.session_id, None)
@@ -192,7 +201,7 @@ class Scheduler:
             return  # dropped on the way: its placement was superseded (save)
         job.session.last_used = time.monotonic()
         if job.close_after:
-            self.close(job.session, *job.close_after)
+            self.close(job.session, job.close_after)
         elif not job.saved:  # cancelled or failed: the record still says what the slab holds
             with contextlib.suppress(ProtocolError):  # superseded: the job's own error is the answer
                 self.save(job.session)
@@ -326,7 +335,13 @@ class Scheduler:
             raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
         try:
             session = self.engine.new_session(
-                env.session_id, body.sink, body.window, body.system, body.sampling, body.chat_template_kwargs
+                env.session_id,
+                body.sink,
+                body.window,
+                body.system,
+                body.sampling,
+                body.chat_template_kwargs,
+                body.tools,
             )
         except BaseException:
             self.pool.give_back()
@@ -370,12 +385,21 @@ class Scheduler:
     def queue_messages(self, session: LiveSession, messages: list[p.ChatMessage]) -> None:
         conversation = session.conversation
         mark = conversation.mark()
-        tokens = self.engine.encode(conversation.extend([{"role": m.role, "content": m.content} for m in messages]))
+        fmt = self.engine.tool_format
+        tokens = self.engine.encode(conversation.extend([message_dict(m, fmt) for m in messages]))
         if len(tokens) > self.engine.max_append_tokens:
             conversation.rollback(mark)
             self._too_long(len(tokens))
         session.pending.extend(tokens)
         session.raw = False
+        self.turn_ends(session)
+
+    @staticmethod
+    def turn_ends(session: LiveSession) -> None:
+        """Note where the conversation stands: a rewind may come back here."""
+        conversation = session.conversation
+        tokens = len(session.history) + len(session.pending)
+        session.turns.append(Turn(len(conversation.messages), len(conversation.rendered), tokens))
 
     def _too_long(self, tokens: int) -> None:
         raise ProtocolError(
@@ -423,6 +447,7 @@ class Scheduler:
         params = self.engine.params(body, session.sampling)
         if body.credit < 0:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "credit must be >= 0")
+        self.engine.constrain(session, params)
         conversation, undo = session.conversation, Undo.of(session)
         try:
             if body.messages:
@@ -435,6 +460,7 @@ class Scheduler:
             raise
         if session.logits is None and not session.pending:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
+        tools = chat and self.engine.calls_tools(session, params)
 
         def steps(job: Job):
             queued = len(session.pending)
@@ -450,7 +476,10 @@ class Scheduler:
                 decode_s = time.perf_counter() - started
             completion = len(session.history) - before
             reason, text = decoding.reason, decoding.text
-            if chat and job.close_after is None:
+            content, calls = job.calls.finish() if job.calls else ("", [])
+            if calls and reason is not StopReason.MAX_TOKENS and not job.cancelled:  # (not the client's cancel)
+                reason = StopReason.TOOL_CALLS
+            if chat and not job.close_after:
                 # Close the assistant turn as the template closes one
                 # (pointless when a close waits); the reply stays the ids
                 # generated. The closing tokens stay pending: the next append
@@ -460,6 +489,7 @@ class Scheduler:
                 end = decode(session.history[-1:]) if reason is StopReason.EOS else ""
                 closing = conversation.close_turn(text, decode(session.history[before:]), end)
                 session.pending.extend(self.engine.encode(closing))
+                self.turn_ends(session)
             self.complete(
                 job,
                 p.GenerateResult(
@@ -472,10 +502,14 @@ class Scheduler:
                     history_tokens=len(session.history) + len(session.pending),
                     drafted_tokens=decoding.drafted,
                     accepted_tokens=decoding.accepted,
+                    content=content,
+                    tool_calls=calls,
                 ),
             )
 
         self.start(route, env, session, steps, credit=body.credit)
+        if tools:
+            self.jobs[session.session_id].calls = ToolCallStream(self.engine.tool_format, params.parallel_tool_calls)
 
     def cancel(self, route: bytes, env: p.Envelope, body: p.Cancel, session: LiveSession) -> None:
         job = self.jobs.get(session.session_id)
@@ -515,22 +549,50 @@ class Scheduler:
             ),
         )
 
-    def close(self, session: LiveSession, route: bytes, request_id: int, keep: bool = False) -> None:
-        """Free the slab and, unless `keep` (the broker's, when another
-        worker holds the session), the stored record."""
+    def rewind(self, route: bytes, env: p.Envelope, body: p.Rewind, session: LiveSession) -> None:
+        self.ensure_idle(session)
+        turn = next((t for t in reversed(session.turns) if t.messages == body.messages), None)
+        if turn is None:
+            ends = ", ".join(str(t.messages) for t in session.turns[-8:]) or "none yet"
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"no turn of this session ends after {body.messages} messages (turns end after: {ends})",
+            )
+        stale = rewind_to(self.engine, self.store, session, turn)
+        self.save(session, snapshot=stale)
+        log.info("session_rewound", session=session.session_id, messages=turn.messages, kept=len(session.history))
+        self.send(
+            route,
+            Op.FINAL,
+            env.request_id,
+            session.session_id,
+            p.Rewound(
+                messages=turn.messages,
+                history_tokens=len(session.history) + len(session.pending),
+                kept_tokens=len(session.history),
+                pending_tokens=len(session.pending),
+            ),
+        )
+
+    def close(self, session: LiveSession, closes: list[tuple[bytes, int, bool]]) -> None:
+        """Free the slab and, unless every close says `keep` (the broker's,
+        when another worker holds the session), the stored record; answer
+        each close (route, request id, keep)."""
+        keep = all(k for _, _, k in closes)
         self.drop(session)
         if not keep:
             self.store.delete(session.session_id)
         log.info("session_closed", session=session.session_id, kept=keep)
-        self.send(route, Op.FINAL, request_id, session.session_id, p.Closed(session_id=session.session_id))
+        for route, request_id, _ in closes:
+            self.send(route, Op.FINAL, request_id, session.session_id, p.Closed(session_id=session.session_id))
 
     def close_request(self, route: bytes, env: p.Envelope, body: p.Close, session: LiveSession) -> None:
         job = self.jobs.get(session.session_id)
         if job is None:
-            self.close(session, route, env.request_id, body.keep)
+            self.close(session, [(route, env.request_id, body.keep)])
         else:  # stop the running job at its next boundary, then close
             job.cancelled = True
-            job.close_after = (route, env.request_id, body.keep)
+            job.close_after.append((route, env.request_id, body.keep))
 
     def hibernate(self, route: bytes, env: p.Envelope, body: p.Hibernate, session: LiveSession) -> None:
         """Snapshot the session to the store and free its slab (the broker
@@ -566,4 +628,5 @@ class Scheduler:
         Op.INFO: info,
         Op.CLOSE: close_request,
         Op.HIBERNATE: hibernate,
+        Op.REWIND: rewind,
     }

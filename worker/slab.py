@@ -104,11 +104,18 @@ class SlabCache(RotatingKVCache):
             self.keys = mx.concatenate([self.keys, new_k], axis=2)
             self.values = mx.concatenate([self.values, new_v], axis=2)
 
+    def can_rewind(self, n: int) -> bool:
+        """Whether the newest `n` tokens can be taken back: they overwrote
+        nothing a later query sees (the ring has not wrapped yet, or they fit
+        in its spare slots)."""
+        return n <= self.offset and (n <= self.spare or self.offset <= self.max_size)
+
     def rewind(self, n: int) -> None:
         """Take back the newest `n` tokens (a verify pass's rejected drafts,
-        or a stop inside its accepted run). Their slots stay as they are and
-        are overwritten next; none of them can be seen by a later query."""
-        if n > self.spare and self.offset > self.max_size:
+        a stop inside its accepted run, a rewound turn). Their slots stay as
+        they are and are overwritten next; none of them can be seen by a
+        later query."""
+        if not self.can_rewind(n):
             raise ValueError(f"cannot take back {n} tokens: the slab has {self.spare} spare slots")
         wrapped = self.offset > self._idx
         self.offset -= n

@@ -29,6 +29,13 @@ class Proposal:
     q: np.ndarray | None = None  # (k, vocab) the distributions they were drawn from; None: point masses
     drafted: bool = False  # by the draft model (whose cache ran them)
 
+    def cut(self, n: int) -> Proposal | None:
+        """The first `n` drafts (None for none); the draft cache ran them
+        all, and settles by what stands."""
+        if n == len(self.tokens):
+            return self
+        return Proposal(self.tokens[:n], None if self.q is None else self.q[:n], self.drafted) if n else None
+
 
 @dataclass
 class DraftLength:

@@ -4,14 +4,16 @@ object; Bearer API keys."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -23,7 +25,7 @@ from kvmux.client import AsyncClient, errors
 from .binding import Bindings, Bound
 
 SESSION_HEADER = "X-Kvmux-Session"
-FINISH = {"eos": "stop", "stop": "stop", "cancelled": "stop", "max_tokens": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "cancelled": "stop", "max_tokens": "length", "tool_calls": "tool_calls"}
 
 
 @dataclass
@@ -77,39 +79,141 @@ def _check_key(gateway: Gateway, request: Request) -> None:
         raise HTTPError(401, "invalid API key", "invalid_request_error", "invalid_api_key")
 
 
+def _owner(gateway: Gateway, request: Request) -> str:
+    """The owner (the broker's client_name) of the sessions a caller opens:
+    one per API key, so that no key lists or continues another's (page.py)."""
+    if not gateway.api_keys:
+        return "kvmux-http"
+    key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    return f"kvmux-http:{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 @dataclass
 class ChatRequest:
-    messages: list[dict[str, str]]
+    messages: list[dict]  # role, content, and a call's tool_calls or a result's tool_call_id
     stream: bool
     options: dict
     include_usage: bool
     model: str
     template_kwargs: dict | None = None  # chat_template_kwargs, for a session it opens
+    tools: list[p.Tool] = field(default_factory=list)  # for a session it opens
+    logprobs: bool = False
+    owner: str = ""  # the caller's identity (_owner): another key's conversation is never continued
+
+    @property
+    def context(self) -> dict | None:
+        """What a session is opened with beside its messages, and whose it
+        is: a request with other template options or tools, or from another
+        key, is another conversation."""
+        context = {"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {}
+        if self.owner:
+            context["owner"] = self.owner
+        if self.tools:
+            context["tools"] = [msgspec.to_builtins(t) for t in self.tools]
+        return context or None
+
+
+# Parameters read, and those that change nothing at their default (refused
+# otherwise): any other is refused by name, never dropped.
+PARAMETERS = {
+    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "seed", "stop", "n", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "logprobs", "top_logprobs", "user", "speculative", "chat_template_kwargs",
+}  # fmt: skip
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "store": False, "metadata": None}
+
+
+def _bad(message: str, param: str | None = None) -> HTTPError:
+    return HTTPError(400, message, "invalid_request_error", "invalid_value", param=param)
+
+
+def _message(m: object) -> dict:
+    """A request's message as the gateway keeps it: role, text content, and
+    a call's tool_calls ({id, name, arguments}) or a result's tool_call_id."""
+    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+        raise _bad("every message needs a role: system, user, assistant or tool", "messages")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    calls = m.get("tool_calls") or []
+    if content is None and (calls or m["role"] == "assistant"):
+        content = ""
+    if not isinstance(content, str):
+        raise _bad("every message needs text content", "messages")
+    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+    if calls:
+        try:
+            out["tool_calls"] = [
+                {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+            ]
+        except (KeyError, TypeError):
+            raise _bad("a tool call needs an id and a function with a name and arguments", "messages") from None
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise _bad("a tool message needs the tool_call_id it answers", "messages")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _tools(body: dict) -> tuple[list[p.Tool], dict]:
+    """The request's tools and the options that go with them."""
+    tools, options = [], {}
+    for tool in body.get("tools") or []:
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad("tools must be functions: {type: function, function: {name, parameters}}", "tools")
+        parameters = function.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise _bad(f"tools: {function['name']}'s parameters must be a JSON schema object", "tools")
+        tools.append(
+            p.Tool(name=function["name"], description=function.get("description") or "", parameters=parameters)
+        )
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise _bad("tool_choice: {type: function, function: {name}}", "tool_choice")
+            choice = p.NamedTool(name=name)
+        elif choice not in ("auto", "none", "required"):
+            raise _bad("tool_choice must be auto, none, required or a function", "tool_choice")
+        options["tool_choice"] = choice
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise _bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
+        options["parallel_tool_calls"] = parallel
+    return tools, options
+
+
+def _response_format(value: object) -> p.Format | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return p.Format(type="json_object")
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise _bad("response_format json_schema needs json_schema.schema (an object)", "response_format")
+        return p.Format(type="json_schema", schema=schema)
+    raise _bad("response_format type must be text, json_object or json_schema", "response_format")
 
 
 def _parse(body: object) -> ChatRequest:
-    def bad(message: str, param: str | None = None) -> HTTPError:
-        return HTTPError(400, message, "invalid_request_error", "invalid_value", param=param)
-
     if not isinstance(body, dict):
-        raise bad("the body must be a JSON object")
+        raise _bad("the body must be a JSON object")
+    for name, value in body.items():
+        if name not in PARAMETERS and (name not in NEUTRAL or value not in (NEUTRAL[name], None)):
+            raise _bad(f"{name} is not supported by kvmux", name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty list", "messages")
-    clean = []
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):  # content parts: text only
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad("every message needs a role: system, user, assistant or tool", "messages")
-        if not isinstance(content, str):
-            raise bad("every message needs text content", "messages")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        raise _bad("messages must be a non-empty list", "messages")
+    clean = [_message(m) for m in messages]
     if clean[-1]["role"] == "assistant":
-        raise bad("the last message must not be the assistant's: there is nothing to reply to", "messages")
+        raise _bad("the last message must not be the assistant's: there is nothing to reply to", "messages")
     if body.get("n", 1) != 1:
-        raise bad("n must be 1", "n")
+        raise _bad("n must be 1", "n")
     options = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     for name, value, kind in (
@@ -120,22 +224,38 @@ def _parse(body: object) -> ChatRequest:
     ):
         if value is not None:
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise bad(f"{name} must be a number", name)
+                raise _bad(f"{name} must be a number", name)
             options[name] = value
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise bad("stop must be a string or a list of strings", "stop")
+            raise _bad("stop must be a string or a list of strings", "stop")
         options["stop"] = stop
     speculative = body.get("speculative")  # a kvmux extension (the openai SDK's extra_body)
     if speculative is not None:
         if not isinstance(speculative, str):
-            raise bad("speculative must be one of auto, off, lookup, draft", "speculative")
+            raise _bad("speculative must be one of auto, off, lookup, draft", "speculative")
         options["speculative"] = speculative
     template_kwargs = body.get("chat_template_kwargs")  # vLLM's extension (the openai SDK's extra_body)
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
-        raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+    tools, tool_options = _tools(body)
+    options.update(tool_options)
+    if body.get("response_format") is not None:
+        fmt = _response_format(body["response_format"])
+        if fmt is not None:
+            options["format"] = fmt
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs not in (None, True, False):
+        raise _bad("logprobs must be true or false", "logprobs")
+    if top is not None:
+        if not logprobs:
+            raise _bad("top_logprobs needs logprobs true", "top_logprobs")
+        if not isinstance(top, int) or isinstance(top, bool):
+            raise _bad("top_logprobs must be an integer", "top_logprobs")
+    if logprobs:
+        options["logprobs"] = top or 0
     stream_options = body.get("stream_options") or {}
     return ChatRequest(
         messages=clean,
@@ -144,32 +264,53 @@ def _parse(body: object) -> ChatRequest:
         include_usage=bool(stream_options.get("include_usage")) if isinstance(stream_options, dict) else False,
         model=str(body.get("model") or "kvmux"),
         template_kwargs=template_kwargs,
+        tools=tools,
+        logprobs=bool(logprobs),
     )
+
+
+def _protocol_messages(messages: list[dict]) -> list[p.ChatMessage]:
+    return [msgspec.convert(m, p.ChatMessage) for m in messages]
 
 
 async def _session(gateway: Gateway, request: Request, chat: ChatRequest):
     """The session to continue (pinned, or found by the binding) and the
-    messages it still needs; a new one otherwise."""
+    messages it still needs; a new one otherwise. The gateway holds a
+    handle only (detached): the session is its caller's and outlives the
+    gateway, whose client would close it on the way out."""
+    chat.owner = _owner(gateway, request)
+    session, bound, new = await _find_session(gateway, request, chat)
+    session.detach()
+    return session, bound, new
+
+
+async def _find_session(gateway: Gateway, request: Request, chat: ChatRequest):
     client = gateway.client
     pinned = request.headers.get(SESSION_HEADER)
     if pinned:
         session = await client.resume_session(pinned)
         last = max((i for i, m in enumerate(chat.messages) if m["role"] == "assistant"), default=-1)
-        return session, Bound(session.id, 0), chat.messages[last + 1 :]
-    bound, held = gateway.bindings.claim(chat.messages, chat.template_kwargs)
-    if bound is not None:
+        return session, Bound(session.id, 0, pinned=True), chat.messages[last + 1 :]
+    claim = gateway.bindings.claim(chat.messages, chat.context)
+    if claim is not None:
         try:
-            return await client.resume_session(bound.session_id), bound, chat.messages[held:]
-        except errors.KvmuxError as exc:  # closed, expired or lost by the daemon: start afresh
+            session = await client.resume_session(claim.bound.session_id)
+            if claim.rewind is not None:  # a regenerate or an edited last message: back to the turn before
+                claim.bound.held = (await session.rewind(claim.rewind)).kept_tokens
+            return session, claim.bound, chat.messages[claim.held :]
+        except errors.KvmuxError as exc:  # closed, expired or lost by the daemon, or no turn ends there: afresh
             if exc.code not in (
                 p.ErrorCode.SESSION_NOT_FOUND,
                 p.ErrorCode.SESSION_EXPIRED,
                 p.ErrorCode.SESSION_CORRUPT,
+                p.ErrorCode.INVALID_ARGUMENT,
             ):
                 raise
     messages = chat.messages
     system = messages[0]["content"] if messages[0]["role"] == "system" else None
-    session = await client.open_session(system, client_name="kvmux-http", chat_template_kwargs=chat.template_kwargs)
+    session = await client.open_session(
+        system, client_name=chat.owner, chat_template_kwargs=chat.template_kwargs, tools=chat.tools
+    )
     return session, Bound(session.id, 0), messages[1:] if system is not None else messages
 
 
@@ -193,7 +334,7 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPError(400, "the body is not JSON", "invalid_request_error", "invalid_json") from None
         chat = _parse(body)
         session, bound, new = await _session(gateway, request, chat)
-        stream = session.generate(messages=new, **chat.options)
+        stream = session.generate(messages=_protocol_messages(new), **chat.options)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         headers = {SESSION_HEADER: session.id}
@@ -201,22 +342,23 @@ async def chat_completions(request: Request) -> Response:
             first = await _first(stream)  # errors before the first token are still HTTP errors
             events = _events(gateway, chat, session, bound, stream, first, completion_id, created)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        text = "".join([chunk.text async for chunk in stream])
+        chunks = [chunk async for chunk in stream]
         result = stream.result
+        text = _content("".join(chunk.text for chunk in chunks), result)
         usage = _usage(bound, result)
         _rebind(gateway, chat, bound, text, result)
+        message = {"role": "assistant", "content": text}
+        if result.tool_calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": _openai_calls(result.tool_calls)}
+        choice = {"index": 0, "message": message, "finish_reason": FINISH[str(result.stop_reason)]}
+        if chat.logprobs:
+            choice["logprobs"] = {"content": [_logprob(lp) for chunk in chunks for lp in chunk.logprobs]}
         body = {
             "id": completion_id,
             "object": "chat.completion",
             "created": created,
             "model": chat.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": FINISH[str(result.stop_reason)],
-                }
-            ],
+            "choices": [choice],
             "usage": usage,
         }
         return JSONResponse(body, headers=headers)
@@ -233,43 +375,82 @@ async def _first(stream) -> p.Chunk | None:
         return None
 
 
+def _content(text: str, result: p.GenerateResult) -> str:
+    """A reply's text as sent (its calls' text never is), less the spaces
+    around its calls (the worker's `content`)."""
+    return text.strip() if result.tool_calls else text
+
+
+def _openai_calls(calls: list[p.ToolCall]) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _logprob(lp: p.Logprobs) -> dict:
+    """A token's logprobs in OpenAI's shape."""
+
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {**entry(lp.text, lp.logprob), "top_logprobs": [entry(t.text, t.logprob) for t in lp.top]}
+
+
 def _rebind(gateway: Gateway, chat: ChatRequest, bound: Bound, text: str, result: p.GenerateResult) -> None:
-    """The session now holds the conversation and its reply: bind it there."""
-    if str(result.stop_reason) == "cancelled":
-        return  # a partial reply: no client will send it back as it is
+    """The session now holds the conversation and its reply: bind it there,
+    under the reply as the client will send it back (its calls too)."""
+    if str(result.stop_reason) == "cancelled" or bound.pinned:
+        return  # a partial reply: no client will send it back as it is; a pinned session is its client's
     bound.held += result.prompt_tokens + result.completion_tokens
-    gateway.bindings.bind([*chat.messages, {"role": "assistant", "content": text}], bound, chat.template_kwargs)
+    reply = {"role": "assistant", "content": text}
+    if result.tool_calls:
+        reply["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls]
+    gateway.bindings.bind([*chat.messages, reply], bound, chat.context)
 
 
 async def _events(gateway, chat, session, bound, stream, first, completion_id, created) -> AsyncIterator[str]:
     """Server-sent events; a client that goes away cancels the generation
     (closing the stream tells the worker)."""
 
-    def event(delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+    def event(delta: dict, finish: str | None = None, usage: dict | None = None, logprobs: dict | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         chunk = {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": chat.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if usage is None else [],
+            "choices": [choice] if usage is None else [],
         }
         if usage is not None:
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk)}\n\n"
+
+    def deltas(chunk: p.Chunk) -> Iterator[str]:
+        extra = {"logprobs": {"content": [_logprob(lp) for lp in chunk.logprobs]}} if chat.logprobs else {}
+        if chunk.text or (extra and not chunk.tool_calls):
+            yield event({"content": chunk.text}, **extra)
+        for call in chunk.tool_calls:
+            function = {"arguments": call.arguments}
+            delta = {"index": call.index, "function": function}
+            if call.id is not None:
+                delta.update(id=call.id, type="function")
+                function["name"] = call.name
+            yield event({"tool_calls": [delta]}, **extra)
 
     parts = []
     try:
         yield event({"role": "assistant", "content": ""})
         if first is not None:
             parts.append(first.text)
-            yield event({"content": first.text})
+            for out in deltas(first):
+                yield out
             async for chunk in stream:
                 parts.append(chunk.text)
-                if chunk.text:
-                    yield event({"content": chunk.text})
+                for out in deltas(chunk):
+                    yield out
         result = stream.result
         usage = _usage(bound, result)
-        _rebind(gateway, chat, bound, "".join(parts), result)
+        _rebind(gateway, chat, bound, _content("".join(parts), result), result)
         yield event({}, FINISH[str(result.stop_reason)])
         if chat.include_usage:
             yield event({}, usage=usage)
@@ -305,6 +486,8 @@ async def health(request: Request) -> Response:
 
 
 def make_app(gateway: Gateway) -> Starlette:
+    from . import messages, page  # they import this module
+
     @asynccontextmanager
     async def lifespan(app: Starlette):
         gateway.client = AsyncClient(gateway.endpoint, timeout=gateway.timeout_s)
@@ -316,7 +499,10 @@ def make_app(gateway: Gateway) -> Starlette:
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages.messages, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    metrics = page.Metrics()
+    routes += page.routes(metrics)
+    return Starlette(routes=routes, middleware=[page.middleware(metrics)], lifespan=lifespan)

@@ -79,6 +79,13 @@ class AsyncSession(core.SessionCore):
     async def cancel(self, *, timeout: float | None = None) -> p.Ack:
         return await self._link.run(self._cancel(timeout))
 
+    async def rewind(self, messages: int, *, timeout: float | None = None) -> p.Rewound:
+        """Take the session back to the end of the turn where its conversation
+        held `messages` messages (regenerate: the count before the last reply;
+        edit the last message: before it). Its slab keeps what it can: the
+        next generate prefills only `Rewound.pending_tokens` and the new messages."""
+        return await self._link.run(self._rewind(messages, timeout))
+
     async def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
         return await self._link.run(self._info(token_ids, timeout))
 

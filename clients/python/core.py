@@ -261,6 +261,10 @@ class SessionCore:
     def _cancel(self, timeout: float | None) -> Steps:
         return self._link.ask(p.Op.CANCEL, self.id, p.Cancel(), timeout)
 
+    def _rewind(self, messages: int, timeout: float | None) -> Steps:
+        yield from self._settle()
+        return (yield from self._link.ask(p.Op.REWIND, self.id, p.Rewind(messages=messages), timeout))
+
     def _info(self, token_ids: bool, timeout: float | None) -> Steps:
         return self._link.ask(p.Op.INFO, self.id, p.Info(token_ids=token_ids), timeout)
 

@@ -86,6 +86,13 @@ class Session(core.SessionCore):
         "cancelled" and the session stays usable."""
         return self._link.run(self._cancel(timeout))
 
+    def rewind(self, messages: int, *, timeout: float | None = None) -> p.Rewound:
+        """Take the session back to the end of the turn where its conversation
+        held `messages` messages (regenerate: the count before the last reply;
+        edit the last message: before it). Its slab keeps what it can: the
+        next generate prefills only `Rewound.pending_tokens` and the new messages."""
+        return self._link.run(self._rewind(messages, timeout))
+
     def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
         return self._link.run(self._info(token_ids, timeout))
 

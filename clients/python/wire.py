@@ -24,14 +24,31 @@ DEFAULT_CREDIT = 32
 MessagesLike = Iterable["p.ChatMessage | dict[str, str] | tuple[str, str]"]
 
 
+def typed(struct: type[msgspec.Struct], options: dict[str, Any]) -> dict[str, Any]:
+    """Options as `struct`'s fields take them: dicts become the Structs they
+    stand for (tools, format, tool_choice). A name that is not a field is
+    left for the Struct to refuse by name."""
+    types = {f.name: f.type for f in msgspec.structs.fields(struct)}
+    out = {}
+    for name, given in options.items():
+        out[name] = given
+        if name in types:
+            try:
+                out[name] = msgspec.convert(given, types[name])
+            except msgspec.ValidationError as exc:
+                raise errors.InvalidArgument(f"{name}: {exc}") from None
+    return out
+
+
 def chat_messages(messages: MessagesLike | None) -> list[p.ChatMessage]:
-    """Accept ChatMessage, {"role", "content"} dicts or (role, content) pairs."""
+    """Accept ChatMessage, dicts of its fields ({"role", "content"}, a
+    call's "tool_calls", a result's "tool_call_id") or (role, content) pairs."""
     out = []
     for m in messages or ():
         if isinstance(m, p.ChatMessage):
             out.append(m)
         elif isinstance(m, dict):
-            out.append(p.ChatMessage(role=m["role"], content=m["content"]))
+            out.append(p.ChatMessage(**typed(p.ChatMessage, m)))
         else:
             role, content = m
             out.append(p.ChatMessage(role=role, content=content))
@@ -48,11 +65,12 @@ def open_body(system: str | None, sampling: p.Sampling | dict | None = None, **o
     if isinstance(sampling, p.Sampling):
         sampling = {f: getattr(sampling, f) for f in p.Sampling.__struct_fields__}
     merged = {**(sampling or {}), **flat}
-    return p.OpenSession(system=system, sampling=p.Sampling(**merged) if merged else None, **options)
+    sampling = p.Sampling(**typed(p.Sampling, merged)) if merged else None
+    return p.OpenSession(system=system, sampling=sampling, **typed(p.OpenSession, options))
 
 
 def generate_body(messages: MessagesLike | None = None, credit: int = DEFAULT_CREDIT, **sampling: Any) -> p.Generate:
-    return p.Generate(messages=chat_messages(messages), credit=credit, **sampling)
+    return p.Generate(messages=chat_messages(messages), credit=credit, **typed(p.Generate, sampling))
 
 
 def append_body(messages: MessagesLike | None = None, token_ids: list[int] | None = None) -> p.Append:

@@ -12,6 +12,7 @@ from .record import (
     SessionState,
     StoreError,
     StoreUnavailable,
+    Turn,
     is_session_id,
     state_fields,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "SessionStore",
     "StoreError",
     "StoreUnavailable",
+    "Turn",
     "is_session_id",
     "open_store",
     "state_fields",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from kvmux.protocol import ChatMessage, ErrorCode, ProtocolError, SessionInfo
+from kvmux.protocol import ErrorCode, ProtocolError, SessionInfo
 
 from .record import SessionRecord, StoreError, StoreUnavailable, state_fields
 from .store import SessionStore
@@ -28,7 +28,7 @@ from .store import SessionStore
 class Conversation(Protocol):
     """worker/conversation.py's Conversation, as a record keeps it."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     rendered: str
     kwargs: dict[str, Any]
 
@@ -62,7 +62,7 @@ def record_of(session: Live, model_id: str) -> SessionRecord:
         model=model_id,
         updated=time.time(),
         tokens=len(session.history) + len(session.pending),
-        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in conv.messages],
+        messages=conv.messages,
         rendered=conv.rendered,
         chat_template_kwargs=conv.kwargs,
     )
@@ -112,14 +112,10 @@ def restorable(store: SessionStore, session_id: str, model_id: str) -> SessionRe
     return record
 
 
-def conversation_of(record: SessionRecord) -> tuple[list[dict[str, str]], str, dict[str, Any]]:
+def conversation_of(record: SessionRecord) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
     """The record's conversation as the worker's Conversation takes it:
     (messages, rendered text, template kwargs)."""
-    return (
-        [{"role": m.role, "content": m.content} for m in record.messages],
-        record.rendered,
-        record.chat_template_kwargs,
-    )
+    return record.messages, record.rendered, record.chat_template_kwargs
 
 
 def hibernated_info(record: SessionRecord, slab_bytes: int, idle_s: float, token_ids: bool) -> SessionInfo:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from kvmux.protocol import ChatMessage, Sampling, StoredSession
+from kvmux.protocol import Sampling, StoredSession, Tool
 
 RECORD_VERSION = 1
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")  # the broker's uuid4().hex
@@ -40,6 +40,15 @@ class StoreUnavailable(StoreError):
     """The store cannot be reached (a Redis server down or unreachable)."""
 
 
+class Turn(msgspec.Struct, array_like=True):
+    """Where a turn of the conversation ended (its messages queued, or a
+    reply closed): a rewind may take the session back there."""
+
+    messages: int  # the conversation's messages
+    rendered: int  # characters of its rendered text
+    tokens: int  # history and pending tokens
+
+
 class SessionState(msgspec.Struct, kw_only=True):
     session_id: str
     sink: int
@@ -47,12 +56,14 @@ class SessionState(msgspec.Struct, kw_only=True):
     owner: str = ""  # the identity the per-client quota (and, with CURVE, ownership) counts
     created: float = 0.0  # wall-clock seconds
     sampling: Sampling | None = None  # the session's defaults (OpenSession.sampling)
+    tools: list[Tool] = []  # functions the model may call (OpenSession.tools)
     history: list[int] = []  # every token fed into the slab, those the window dropped too
     pending: list[int] = []  # appended, not fed yet
     raw: bool = False  # the last append was raw token ids: generate continues them, no template
     snapshot: str | None = None  # slab snapshot holding the first `snapshot_tokens` of history
     snapshot_tokens: int = 0
     replay: list[int] = []  # sizes of the chunks fed since the snapshot, in order
+    turns: list[Turn] = []  # where each turn ended, oldest first (Rewind)
     restores: int = 0
     last_restore_s: float = 0.0
 
@@ -63,7 +74,7 @@ class SessionRecord(SessionState, kw_only=True):
     updated: float  # wall-clock seconds
     tokens: int = 0  # len(history) + len(pending), readable without decoding them
     system: str | None = None
-    messages: list[ChatMessage] = []
+    messages: list[dict[str, Any]] = []  # as the chat template takes them (a call's tool_calls too)
     rendered: str = ""  # the conversation's text fed so far (template pieces, replies as generated)
     chat_template_kwargs: dict[str, Any] = {}
 

@@ -37,6 +37,13 @@ SCHEMAS: dict[str, type] = {
     **{t.__name__: t for t in p.WORKER_BODIES.values()},
     "ChatMessage": p.ChatMessage,
     "Sampling": p.Sampling,
+    "ToolCall": p.ToolCall,
+    "Tool": p.Tool,
+    "NamedTool": p.NamedTool,
+    "Format": p.Format,
+    "TokenLogprob": p.TokenLogprob,
+    "Logprobs": p.Logprobs,
+    "ToolCallDelta": p.ToolCallDelta,
     "WorkerStats": p.WorkerStats,
     "SessionSummary": p.SessionSummary,
     "Refused": p.Refused,
@@ -85,6 +92,7 @@ CASES: list[tuple[str, Any]] = [
             p.Op.DRAIN,
             p.Op.RESUME,
             p.Op.SESSIONS,
+            p.Op.REWIND,
             p.Op.READY,
             p.Op.HEARTBEAT,
             p.Op.DISCONNECT,
@@ -159,11 +167,60 @@ CASES: list[tuple[str, Any]] = [
     ("generate_float_zero", p.Generate(temperature=0.0, top_p=1.0, max_tokens=0)),
     ("generate_float_fraction", p.Generate(temperature=0.7, top_p=1e-9, seed=-5)),
     ("generate_long_strings", p.Generate(stop=["x" * 31, "y" * 32, "z" * 255, "w" * 256, "v" * 70000])),
+    (
+        "generate_structured",
+        p.Generate(
+            format=p.Format(
+                type=p.FormatType.JSON_SCHEMA.value,
+                schema={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]},
+            ),
+            tool_choice=p.ToolChoice.NONE.value,
+            logprobs=2,
+            credit=32,
+        ),
+    ),
+    (
+        "generate_tool_choice_named",
+        p.Generate(
+            format=p.Format(type=p.FormatType.REGEX.value, grammar="[0-9]+"),
+            tool_choice=p.NamedTool(name="get_weather"),
+            parallel_tool_calls=False,
+            logprobs=0,
+        ),
+    ),
+    (
+        "generate_tool_messages",
+        p.Generate(
+            messages=[
+                p.ChatMessage("user", "Weather in Paris?"),
+                p.ChatMessage(
+                    "assistant", tool_calls=[p.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')]
+                ),
+                p.ChatMessage("tool", U, tool_call_id="call_1", name="get_weather"),
+            ],
+        ),
+    ),
+    (
+        "open_tools",
+        p.OpenSession(
+            system="Use tools.",
+            tools=[
+                p.Tool(
+                    name="get_weather",
+                    description="The weather in a city.",
+                    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                ),
+                p.Tool(name="now"),
+            ],
+            sampling=p.Sampling(tool_choice=p.ToolChoice.REQUIRED.value, parallel_tool_calls=True),
+        ),
+    ),
     ("cancel_session", p.Cancel()),
     ("cancel_request", p.Cancel(request_id=42)),
     ("credit", p.Credit(request_id=7, n=16)),
     ("credit_big", p.Credit(request_id=2**64 - 1, n=2**31)),
     ("info", p.Info()),
+    ("rewind", p.Rewind(messages=4)),
     ("info_token_ids", p.Info(token_ids=True)),
     ("close", p.Close()),
     ("stats", p.Stats()),
@@ -251,6 +308,48 @@ CASES: list[tuple[str, Any]] = [
     ("chunk", p.Chunk(token_ids=[28, 1130], text=" wörld")),
     ("chunk_emoji", p.Chunk(token_ids=[216, 126, 104, 236], text="🦙")),
     ("chunk_empty", p.Chunk(token_ids=[], text="")),
+    (
+        "chunk_logprobs",
+        p.Chunk(
+            token_ids=[28, 1130],
+            text=" wörld",
+            logprobs=[
+                p.Logprobs(
+                    token=28,
+                    logprob=-0.25,
+                    text=" w",
+                    top=[p.TokenLogprob(28, -0.25, " w"), p.TokenLogprob(9, -1.5, "🦙")],
+                ),
+                p.Logprobs(token=1130, logprob=0.0, text="örld"),
+            ],
+        ),
+    ),
+    (
+        "chunk_tool_call_deltas",
+        p.Chunk(
+            token_ids=[90, 91],
+            text="",
+            tool_calls=[
+                p.ToolCallDelta(index=0, id="call_1", name="get_weather"),
+                p.ToolCallDelta(index=0, arguments='{"city": "Pa'),
+                p.ToolCallDelta(index=1, arguments='ris"}'),
+            ],
+        ),
+    ),
+    (
+        "result_with_tool_calls",
+        p.GenerateResult(
+            stop_reason=p.StopReason.TOOL_CALLS,
+            prompt_tokens=14,
+            completion_tokens=16,
+            prefill_s=0.082,
+            decode_s=1.5,
+            truncated_tokens=0,
+            history_tokens=30,
+            content="Checking.",
+            tool_calls=[p.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')],
+        ),
+    ),
     *[
         (
             f"result_{reason.value}",
@@ -352,6 +451,7 @@ CASES: list[tuple[str, Any]] = [
         ),
     ),
     ("closed", p.Closed(session_id=SID)),
+    ("rewound", p.Rewound(messages=4, history_tokens=57, kept_tokens=56, pending_tokens=1)),
     ("hibernated", p.Hibernated(session_id=SID, bytes=94_371_840, seconds=0.125)),
     ("session_list_empty", p.SessionList(sessions=[])),
     (
@@ -509,8 +609,9 @@ def manifest() -> tuple[list[dict], dict[str, bytes]]:
 
 def ts_type(t: mi.Type) -> Any:
     if isinstance(t, mi.UnionType):
-        (inner,) = [u for u in t.types if not isinstance(u, mi.NoneType)]
-        return ts_type(inner)
+        inner = [u for u in t.types if not isinstance(u, mi.NoneType)]
+        # str | NamedTool: the codec picks the member by the value's JS kind
+        return {"union": [ts_type(u) for u in inner]} if len(inner) > 1 else ts_type(inner[0])
     if isinstance(t, mi.IntType):
         return "int"
     if isinstance(t, mi.FloatType):
@@ -535,6 +636,8 @@ TS_NAMES = {"Error": "ErrorReply"}  # not to shadow JavaScript's Error
 
 def ts_decl(t: Any) -> str:
     if isinstance(t, dict):
+        if "union" in t:
+            return " | ".join(ts_decl(u) for u in t["union"])
         if "map" in t:
             return f"Record<string, {ts_decl(t['map'])}>"
         return f"{ts_decl(t['list'])}[]" if "list" in t else TS_NAMES.get(t["struct"], t["struct"])
@@ -546,6 +649,9 @@ def ts_interfaces() -> str:
     for name, cls in SCHEMAS.items():
         info = mi.type_info(cls)
         if info.array_like:
+            if name != "Envelope":  # codec.ts's EnvelopeTuple
+                members = ", ".join(f"{f.encode_name}: {ts_decl(ts_type(f.type))}" for f in info.fields)
+                out.append(f"export type {TS_NAMES.get(name, name)} = [{members}];\n")
             continue
         lines = [f'  type: "{info.tag}";'] if info.tag else []
         for f in info.fields:
@@ -582,6 +688,8 @@ def ts_schema() -> str:
         f"export const ERROR_CODES = {json.dumps([c.value for c in p.ErrorCode])} as const;\n\n"
         f"export const STOP_REASONS = {json.dumps([c.value for c in p.StopReason])} as const;\n\n"
         f"export const SPECULATIVE_MODES = {json.dumps([c.value for c in p.SpeculativeMode])} as const;\n\n"
+        f"export const TOOL_CHOICES = {json.dumps([c.value for c in p.ToolChoice])} as const;\n\n"
+        f"export const FORMAT_TYPES = {json.dumps([c.value for c in p.FormatType])} as const;\n\n"
         f"export const SCHEMAS: Record<string, StructTable> = {body};\n\n"
         "// Message shapes with camelCase keys, as the client takes and returns them. Ints beyond\n"
         "// 2**53 travel as bigint.\n\n" + ts_interfaces()

@@ -7,13 +7,14 @@
 
 import { curveKeyPair, Dealer } from "zeromq";
 
-import { decode, decodeEnvelope, encodeStruct, envelope, REPLY_TAGS } from "./codec.js";
+import { camel, decode, decodeEnvelope, encodeStruct, envelope, REPLY_TAGS } from "./codec.js";
 import { fromReply, Internal, InvalidArgument, KvmuxError, MalformedFrame, SessionNotFound, Timeout } from "./errors.js";
 import { clientKeys } from "./keys.js";
 import { defaultFrontend } from "./paths.js";
 import { Queue } from "./queue.js";
 import {
   Op,
+  SCHEMAS,
   type Ack,
   type Appended,
   type BrokerStats,
@@ -22,15 +23,20 @@ import {
   type Closed,
   type Drain,
   type ErrorReply,
+  type Format,
+  type FORMAT_TYPES,
   type GenerateResult,
+  type NamedTool,
   type OpenSession,
   type Pong,
   type Reply,
+  type Rewound,
   type Sampling,
   type SessionInfo,
   type SessionList,
   type SessionOpened,
   type SessionSummary,
+  type TOOL_CHOICES,
 } from "./schema.js";
 
 export const DEFAULT_TIMEOUT_MS = 30_000;
@@ -54,10 +60,27 @@ export interface ClientOptions {
    * client keys refuses it. */
   secretKey?: string;
 }
+/** Format.type: what structured output a reply must be. */
+export type FormatType = (typeof FORMAT_TYPES)[number];
+/** Sampling.format: `{ type: "json_schema", schema }`, `{ type: "json_object" }`,
+ * `{ type: "lark" | "gbnf" | "regex", grammar }`. */
+export interface ResponseFormat extends Format {
+  type: FormatType;
+}
+/** Sampling.toolChoice: the model chooses (`auto`, the default), no calls
+ * (`none`), at least one call (`required`), or that function (`{ name }`). */
+export type ToolChoice = (typeof TOOL_CHOICES)[number] | NamedTool;
+/** Sampling's fields, with `format` and `toolChoice` narrowed to their values. */
+export interface SamplingOptions extends Omit<Sampling, "format" | "toolChoice"> {
+  format?: ResponseFormat;
+  toolChoice?: ToolChoice;
+}
 /** OpenSession's fields; `sampling` holds the session's defaults, and the flat
- * sampling keys (maxTokens, temperature, ...) are merged into it. */
-export interface OpenOptions extends CallOptions, Sampling, OpenSession {}
-export interface GenerateOptions extends CallOptions, Sampling {
+ * sampling keys (maxTokens, temperature, format, toolChoice, ...) are merged into it. */
+export interface OpenOptions extends CallOptions, SamplingOptions, Omit<OpenSession, "sampling"> {
+  sampling?: SamplingOptions;
+}
+export interface GenerateOptions extends CallOptions, SamplingOptions {
   messages?: ChatMessage[];
   /** 0 turns flow control off. */
   credit?: number;
@@ -69,7 +92,26 @@ export interface AppendOptions extends CallOptions {
   tokenIds?: number[];
 }
 
-const SAMPLING_KEYS = ["maxTokens", "temperature", "topP", "topK", "seed", "stop", "speculative"] as const;
+const SAMPLING_KEYS = [
+  "maxTokens", "temperature", "topP", "topK", "seed", "stop", "speculative",
+  "format", "toolChoice", "parallelToolCalls", "logprobs",
+] as const satisfies readonly (keyof Sampling)[];
+
+const fieldNames = (schema: string): string[] => SCHEMAS[schema].fields.map((f) => camel(f[0]));
+const OPEN_KEYS = new Set([...fieldNames("OpenSession"), ...SAMPLING_KEYS, "timeoutMs"]);
+const GENERATE_KEYS = new Set([...SAMPLING_KEYS, "messages", "credit", "signal", "timeoutMs"]);
+const APPEND_KEYS = new Set(["messages", "tokenIds", "timeoutMs"]);
+const CALL_KEYS = new Set(["timeoutMs"]);
+
+/** Refuse, by name, an option the call does not take (a typo, a snake_case
+ * name): dropping it silently would send a different request. */
+function checkOptions(options: object, known: ReadonlySet<string>, call: string): void {
+  for (const [key, value] of Object.entries(options)) {
+    if (value === undefined || known.has(key)) continue;
+    const meant = [...known].find((k) => k === camel(key) || k.toLowerCase() === key.toLowerCase());
+    throw new InvalidArgument(`${call}: unknown option ${JSON.stringify(key)}${meant ? ` (did you mean ${meant}?)` : ""}`);
+  }
+}
 
 interface Frame {
   op: string;
@@ -85,7 +127,7 @@ function unwrap<T>(frame: Frame): T {
   return body as T;
 }
 
-function pickSampling(options: Sampling): Sampling {
+function pickSampling(options: SamplingOptions): Sampling {
   const out: Record<string, unknown> = {};
   for (const key of SAMPLING_KEYS) if (options[key] !== undefined) out[key] = options[key];
   return out as Sampling;
@@ -120,13 +162,14 @@ export class Client {
   }
 
   async openSession(options: OpenOptions = {}): Promise<Session> {
-    const { system, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName } = options;
+    checkOptions(options, OPEN_KEYS, "openSession");
+    const { system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName } = options;
     if (chatTemplateKwargs !== undefined && (chatTemplateKwargs === null || typeof chatTemplateKwargs !== "object" || Array.isArray(chatTemplateKwargs))) {
       throw new InvalidArgument("chatTemplateKwargs must be an object: template variable -> value");
     }
     const sampling = { ...options.sampling, ...pickSampling(options) };
     const body = {
-      system, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName,
+      system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName,
       sampling: Object.keys(sampling).length ? sampling : undefined,
     };
     // A queued open may legitimately wait queueWaitS before its answer.
@@ -296,13 +339,25 @@ export class Session {
 
   /** Stream a generation; the request goes out on the first `next()`. */
   generate(options: GenerateOptions = {}): ChatStream {
+    checkOptions(options, GENERATE_KEYS, "generate");
     return new ChatStream(this, options);
   }
 
   async append(options: AppendOptions): Promise<Appended> {
+    checkOptions(options, APPEND_KEYS, "append");
     await this.settle();
     const body = { messages: options.messages ?? [], tokenIds: options.tokenIds ?? [] };
     return this.client.call(Op.APPEND, this.id, "Append", body, options.timeoutMs);
+  }
+
+  /** Take the session back to the end of the turn where its conversation held
+   * `messages` messages (regenerate: the count before the last reply; edit the
+   * last message: before it). The slab keeps what it can: the next generate
+   * prefills only `pendingTokens` and its new messages. */
+  async rewind(messages: number, options: CallOptions = {}): Promise<Rewound> {
+    checkOptions(options, CALL_KEYS, "rewind");
+    await this.settle();
+    return this.client.call(Op.REWIND, this.id, "Rewind", { messages }, options.timeoutMs);
   }
 
   /** Cancel the running append/generate; the stream ends with stopReason "cancelled". */

@@ -14,7 +14,11 @@
 import { Decoder, Encoder } from "@msgpack/msgpack";
 import { PROTOCOL_VERSION, SCHEMAS } from "./schema.js";
 
-export type FieldType = "int" | "float" | "str" | "bool" | "any" | { list: FieldType } | { map: FieldType } | { struct: string };
+export type FieldType =
+  | "int" | "float" | "str" | "bool" | "any"
+  | { list: FieldType } | { map: FieldType } | { struct: string }
+  /** One of several (`str | NamedTool`): the first whose JS kind fits the value. */
+  | { union: FieldType[] };
 /** [wire name, type] for a required field, [wire name, type, default] otherwise. */
 export type Field = [string, FieldType] | [string, FieldType, unknown];
 export interface StructTable {
@@ -81,6 +85,22 @@ function encodeMap(type: FieldType, value: Record<string, unknown>): Uint8Array 
   return concat([mapHeader(entries.length, entries.length), ...entries.flatMap(([k, v]) => [plain.encode(k), encodeValue(type, v)])]);
 }
 
+/** Whether `value` is of the JS kind `type` takes (its shape is checked when encoded). */
+function fits(type: FieldType, value: unknown): boolean {
+  if (type === "any") return true;
+  if (type === "int" || type === "float") return typeof value === "number" || typeof value === "bigint";
+  if (type === "str") return typeof value === "string";
+  if (type === "bool") return typeof value === "boolean";
+  if ("list" in type) return Array.isArray(value);
+  if ("union" in type) return type.union.some((t) => fits(t, value));
+  if ("struct" in type && SCHEMAS[type.struct]?.array) return Array.isArray(value);
+  return value !== null && typeof value === "object" && !Array.isArray(value) && !(value instanceof Uint8Array);
+}
+
+const describe = (type: FieldType): string =>
+  typeof type === "string" ? type : "list" in type ? `${describe(type.list)}[]` : "map" in type ? "object"
+    : "struct" in type ? type.struct : type.union.map(describe).join(" | ");
+
 function encodeValue(type: FieldType, value: unknown): Uint8Array {
   if (type === "any") return encodeAny(value);
   if (type === "int") return encodeInt(value);
@@ -100,10 +120,16 @@ function encodeValue(type: FieldType, value: unknown): Uint8Array {
     if (!Array.isArray(value)) throw new TypeError(`expected an array, got ${String(value)}`);
     return concat([arrayHeader(value.length), ...value.map((v) => encodeValue(type.list, v))]);
   }
+  if ("union" in type) {
+    const member = type.union.find((t) => fits(t, value));
+    if (member === undefined) throw new TypeError(`expected ${describe(type)}, got ${JSON.stringify(value) ?? String(value)}`);
+    return encodeValue(member, value);
+  }
   if ("map" in type) {
     if (value === null || typeof value !== "object" || Array.isArray(value)) throw new TypeError(`expected an object, got ${String(value)}`);
     return encodeMap(type.map, value as Record<string, unknown>);
   }
+  if (!fits(type, value)) throw new TypeError(`expected a ${type.struct}, got ${String(value)}`);
   return encodeStruct(type.struct, value as Record<string, unknown>);
 }
 
@@ -117,7 +143,9 @@ function isDefault(value: unknown, dflt: unknown): boolean {
   return value === dflt || (typeof value === "bigint" && Number(value) === dflt);
 }
 
-/** Encode `obj` (camelCase keys) as the Struct `name` of protocol/messages.py. */
+/** Encode `obj` (camelCase keys) as the Struct `name` of protocol/messages.py;
+ * a key that is none of its fields (a typo, a snake_case name) is refused by
+ * name rather than dropped. */
 export function encodeStruct(name: string, obj: Record<string, unknown> | unknown[]): Uint8Array {
   const table = SCHEMAS[name];
   if (!table) throw new TypeError(`unknown schema ${name}`);
@@ -126,6 +154,11 @@ export function encodeStruct(name: string, obj: Record<string, unknown> | unknow
     return concat([arrayHeader(table.fields.length), ...table.fields.map((f, i) => encodeValue(f[1], values[i] ?? f[2]))]);
   }
   const record = obj as Record<string, unknown>;
+  for (const key of Object.keys(record)) {
+    if (record[key] === undefined || (key === "type" && table.tag !== null) || table.fields.some((f) => camel(f[0]) === key)) continue;
+    const known = table.fields.find((f) => f[0] === key || camel(f[0]).toLowerCase() === key.toLowerCase());
+    throw new TypeError(`${name} has no field ${JSON.stringify(key)}${known ? ` (did you mean ${camel(known[0])}?)` : ""}`);
+  }
   const parts: Uint8Array[] = [];
   let count = 0;
   if (table.tag !== null) {

@@ -5,7 +5,9 @@
  */
 
 export { ChatStream, Client, DEFAULT_CREDIT, DEFAULT_TIMEOUT_MS, Session } from "./client.js";
-export type { AppendOptions, CallOptions, ClientOptions, GenerateOptions, OpenOptions } from "./client.js";
+export type {
+  AppendOptions, CallOptions, ClientOptions, FormatType, GenerateOptions, OpenOptions, ResponseFormat, SamplingOptions, ToolChoice,
+} from "./client.js";
 export { camel, decode, decodeEnvelope, encodeStruct, envelope, MAP_FIELDS, snake } from "./codec.js";
 export * from "./errors.js";
 export { curvePublic, isZ85Key, keyPair, loadCertificate, publicKey, z85Decode, z85Encode } from "./keys.js";

@@ -20,6 +20,7 @@ export const Op = {
   "DRAIN": "drain",
   "RESUME": "resume",
   "SESSIONS": "sessions",
+  "REWIND": "rewind",
   "READY": "ready",
   "HEARTBEAT": "heartbeat",
   "DISCONNECT": "disconnect",
@@ -32,9 +33,13 @@ export const Op = {
 
 export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "forbidden", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
 
-export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled"] as const;
+export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled", "tool_calls"] as const;
 
 export const SPECULATIVE_MODES = ["auto", "off", "lookup", "draft"] as const;
+
+export const TOOL_CHOICES = ["auto", "none", "required"] as const;
+
+export const FORMAT_TYPES = ["json_object", "json_schema", "lark", "gbnf", "regex"] as const;
 
 export const SCHEMAS: Record<string, StructTable> = {
   "Envelope": {"tag": null, "array": true, "fields": [
@@ -45,6 +50,7 @@ export const SCHEMAS: Record<string, StructTable> = {
   ]},
   "OpenSession": {"tag": null, "array": false, "fields": [
     ["system", "str", null],
+    ["tools", {"list": {"struct": "Tool"}}, []],
     ["chat_template_kwargs", {"map": "any"}, null],
     ["sink", "int", null],
     ["window", "int", null],
@@ -65,6 +71,10 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["seed", "int", null],
     ["stop", {"list": "str"}, null],
     ["speculative", "str", null],
+    ["format", {"struct": "Format"}, null],
+    ["tool_choice", {"union": ["str", {"struct": "NamedTool"}]}, null],
+    ["parallel_tool_calls", "bool", null],
+    ["logprobs", "int", null],
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
     ["credit", "int", 0],
   ]},
@@ -89,6 +99,9 @@ export const SCHEMAS: Record<string, StructTable> = {
   "Resume": {"tag": null, "array": false, "fields": []},
   "ListSessions": {"tag": null, "array": false, "fields": []},
   "Hibernate": {"tag": null, "array": false, "fields": []},
+  "Rewind": {"tag": null, "array": false, "fields": [
+    ["messages", "int"],
+  ]},
   "WorkerReady": {"tag": null, "array": false, "fields": [
     ["model", "str"],
     ["slabs", "int"],
@@ -122,7 +135,10 @@ export const SCHEMAS: Record<string, StructTable> = {
   ]},
   "ChatMessage": {"tag": null, "array": false, "fields": [
     ["role", "str"],
-    ["content", "str"],
+    ["content", "str", ""],
+    ["tool_calls", {"list": {"struct": "ToolCall"}}, []],
+    ["tool_call_id", "str", null],
+    ["name", "str", null],
   ]},
   "Sampling": {"tag": null, "array": false, "fields": [
     ["max_tokens", "int", null],
@@ -132,6 +148,45 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["seed", "int", null],
     ["stop", {"list": "str"}, null],
     ["speculative", "str", null],
+    ["format", {"struct": "Format"}, null],
+    ["tool_choice", {"union": ["str", {"struct": "NamedTool"}]}, null],
+    ["parallel_tool_calls", "bool", null],
+    ["logprobs", "int", null],
+  ]},
+  "ToolCall": {"tag": null, "array": false, "fields": [
+    ["id", "str"],
+    ["name", "str"],
+    ["arguments", "str"],
+  ]},
+  "Tool": {"tag": null, "array": false, "fields": [
+    ["name", "str"],
+    ["description", "str", ""],
+    ["parameters", {"map": "any"}, {}],
+  ]},
+  "NamedTool": {"tag": null, "array": false, "fields": [
+    ["name", "str"],
+  ]},
+  "Format": {"tag": null, "array": false, "fields": [
+    ["type", "str"],
+    ["schema", {"map": "any"}, null],
+    ["grammar", "str", null],
+  ]},
+  "TokenLogprob": {"tag": null, "array": true, "fields": [
+    ["token", "int"],
+    ["logprob", "float"],
+    ["text", "str"],
+  ]},
+  "Logprobs": {"tag": null, "array": false, "fields": [
+    ["token", "int"],
+    ["logprob", "float"],
+    ["text", "str"],
+    ["top", {"list": {"struct": "TokenLogprob"}}, []],
+  ]},
+  "ToolCallDelta": {"tag": null, "array": false, "fields": [
+    ["index", "int"],
+    ["id", "str", null],
+    ["name", "str", null],
+    ["arguments", "str", ""],
   ]},
   "WorkerStats": {"tag": null, "array": false, "fields": [
     ["worker_id", "str"],
@@ -206,6 +261,8 @@ export const SCHEMAS: Record<string, StructTable> = {
   "Chunk": {"tag": "chunk", "array": false, "fields": [
     ["token_ids", {"list": "int"}],
     ["text", "str"],
+    ["logprobs", {"list": {"struct": "Logprobs"}}, []],
+    ["tool_calls", {"list": {"struct": "ToolCallDelta"}}, []],
   ]},
   "GenerateResult": {"tag": "result", "array": false, "fields": [
     ["stop_reason", "str"],
@@ -217,6 +274,8 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["history_tokens", "int"],
     ["drafted_tokens", "int", 0],
     ["accepted_tokens", "int", 0],
+    ["content", "str", ""],
+    ["tool_calls", {"list": {"struct": "ToolCall"}}, []],
   ]},
   "SessionInfo": {"tag": "info", "array": false, "fields": [
     ["session_id", "str"],
@@ -235,6 +294,12 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["state", "str", "live"],
     ["restores", "int", 0],
     ["last_restore_s", "float", 0.0],
+  ]},
+  "Rewound": {"tag": "rewound", "array": false, "fields": [
+    ["messages", "int"],
+    ["history_tokens", "int"],
+    ["kept_tokens", "int"],
+    ["pending_tokens", "int"],
   ]},
   "Closed": {"tag": "closed", "array": false, "fields": [
     ["session_id", "str"],
@@ -291,6 +356,7 @@ export const SCHEMAS: Record<string, StructTable> = {
 
 export interface OpenSession {
   system?: string;
+  tools?: Tool[];
   chatTemplateKwargs?: Record<string, unknown>;
   sink?: number;
   window?: number;
@@ -313,6 +379,10 @@ export interface Generate {
   seed?: number;
   stop?: string[];
   speculative?: string;
+  format?: Format;
+  toolChoice?: string | NamedTool;
+  parallelToolCalls?: boolean;
+  logprobs?: number;
   messages?: ChatMessage[];
   credit?: number;
 }
@@ -347,6 +417,10 @@ export interface Resume {}
 export interface ListSessions {}
 
 export interface Hibernate {}
+
+export interface Rewind {
+  messages: number;
+}
 
 export interface WorkerReady {
   model: string;
@@ -385,7 +459,10 @@ export interface Restored {
 
 export interface ChatMessage {
   role: string;
-  content: string;
+  content?: string;
+  toolCalls?: ToolCall[];
+  toolCallId?: string;
+  name?: string;
 }
 
 export interface Sampling {
@@ -396,6 +473,48 @@ export interface Sampling {
   seed?: number;
   stop?: string[];
   speculative?: string;
+  format?: Format;
+  toolChoice?: string | NamedTool;
+  parallelToolCalls?: boolean;
+  logprobs?: number;
+}
+
+export interface ToolCall {
+  id: string;
+  name: string;
+  arguments: string;
+}
+
+export interface Tool {
+  name: string;
+  description?: string;
+  parameters?: Record<string, unknown>;
+}
+
+export interface NamedTool {
+  name: string;
+}
+
+export interface Format {
+  type: string;
+  schema?: Record<string, unknown>;
+  grammar?: string;
+}
+
+export type TokenLogprob = [token: number, logprob: number, text: string];
+
+export interface Logprobs {
+  token: number;
+  logprob: number;
+  text: string;
+  top?: TokenLogprob[];
+}
+
+export interface ToolCallDelta {
+  index: number;
+  id?: string;
+  name?: string;
+  arguments?: string;
 }
 
 export interface WorkerStats {
@@ -482,6 +601,8 @@ export interface Chunk {
   type: "chunk";
   tokenIds: number[];
   text: string;
+  logprobs?: Logprobs[];
+  toolCalls?: ToolCallDelta[];
 }
 
 export interface GenerateResult {
@@ -495,6 +616,8 @@ export interface GenerateResult {
   historyTokens: number;
   draftedTokens?: number;
   acceptedTokens?: number;
+  content?: string;
+  toolCalls?: ToolCall[];
 }
 
 export interface SessionInfo {
@@ -515,6 +638,14 @@ export interface SessionInfo {
   state?: string;
   restores?: number;
   lastRestoreS?: number;
+}
+
+export interface Rewound {
+  type: "rewound";
+  messages: number;
+  historyTokens: number;
+  keptTokens: number;
+  pendingTokens: number;
 }
 
 export interface Closed {
@@ -580,4 +711,4 @@ export interface ErrorReply {
   queueDepth?: number;
 }
 
-export type Reply = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Closed | Hibernated | SessionList | Ack | Pong | BrokerStats | ErrorReply;
+export type Reply = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Rewound | Closed | Hibernated | SessionList | Ack | Pong | BrokerStats | ErrorReply;
