@@ -58,21 +58,26 @@ def http_gateway(stack: Stack, tmp: Path, keys: list[str]):
         stderr=subprocess.PIPE,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=1) as reply:
-                if reply.status == 200:
-                    break
-        except (urllib.error.URLError, OSError):
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.2)
+    wait_healthy(proc, base)
     try:
         yield base
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 60.0) -> None:
+    """Until a gateway started as `proc` answers GET /health at `base`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=1) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.2)
 
 
 def api(base: str, key: str = KEY) -> openai.OpenAI:

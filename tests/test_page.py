@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import KEY, free_tcp_port, kvmux_command
+from conftest import KEY, free_tcp_port, kvmux_command, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(
@@ -40,16 +40,7 @@ class Gateway:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=1) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.proc.stderr.read().decode()[-2000:]
-            time.sleep(0.2)
+        wait_healthy(self.proc, self.base)
 
     def stop(self) -> None:
         self.proc.terminate()

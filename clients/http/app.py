@@ -368,6 +368,14 @@ async def chat_completions(request: Request) -> Response:
         return _error(_from_kvmux(exc))
 
 
+async def chunks(first: p.Chunk | None, stream) -> AsyncIterator[p.Chunk]:
+    """A stream's chunks, the first (read before the response began: `_first`) included."""
+    if first is not None:
+        yield first
+        async for chunk in stream:
+            yield chunk
+
+
 async def _first(stream) -> p.Chunk | None:
     try:
         return await stream.__anext__()
@@ -440,14 +448,10 @@ async def _events(gateway, chat, session, bound, stream, first, completion_id, c
     parts = []
     try:
         yield event({"role": "assistant", "content": ""})
-        if first is not None:
-            parts.append(first.text)
-            for out in deltas(first):
+        async for chunk in chunks(first, stream):
+            parts.append(chunk.text)
+            for out in deltas(chunk):
                 yield out
-            async for chunk in stream:
-                parts.append(chunk.text)
-                for out in deltas(chunk):
-                    yield out
         result = stream.result
         usage = _usage(bound, result)
         _rebind(gateway, chat, bound, _content("".join(parts), result), result)

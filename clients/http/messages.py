@@ -30,6 +30,7 @@ from .app import (
     _rebind,
     _session,
     _usage,
+    chunks,
 )
 from .page import _own
 
@@ -331,14 +332,10 @@ async def _events(gateway, chat, bound, stream, first, message) -> AsyncIterator
             "message_start",
             message={**message, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage},
         )
-        if first is not None:
-            parts.append(first.text)
-            for out in deltas(first):
+        async for chunk in chunks(first, stream):
+            parts.append(chunk.text)
+            for out in deltas(chunk):
                 yield out
-            async for chunk in stream:
-                parts.append(chunk.text)
-                for out in deltas(chunk):
-                    yield out
         if opened:
             yield _sse("content_block_stop", index=len(opened) - 1)
         result = stream.result
