@@ -41,6 +41,20 @@ def node_test(package: Path, files: list[str], endpoint: str, **env: str) -> sub
     )
 
 
+def passed(node: subprocess.Popen, stack) -> str:
+    """The Node run's output once it ends (killed if it outlives its time),
+    after checking that it passed."""
+    try:
+        output, _ = node.communicate(timeout=NODE_TIMEOUT_S)
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    assert node.returncode == 0, f"{output}\n{stack.logs()}"
+    assert "# fail 0" in output or "ℹ fail 0" in output, output
+    return output
+
+
 def test_node_suite_beside_a_python_client(stack_factory, node_package):
     stack = stack_factory(workers=1, slabs=3)
     with Client(stack.frontend, timeout=60) as client, client.open_session() as session:
@@ -51,13 +65,11 @@ def test_node_suite_beside_a_python_client(stack_factory, node_package):
                 stream = session.chat("Say something short.", max_tokens=4)
                 assert len(list(stream)) >= 1 and stream.result.completion_tokens >= 1
                 overlapping_turns += node.poll() is None
-            output, _ = node.communicate(timeout=NODE_TIMEOUT_S)
-        finally:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-        assert node.returncode == 0, f"{output}\n{stack.logs()}"
-        assert "# fail 0" in output or "ℹ fail 0" in output, output
+        except BaseException:
+            node.kill()
+            node.wait()
+            raise
+        output = passed(node, stack)
         assert "skipped 0" in output, output  # the stack tests really ran
         assert overlapping_turns >= 1, "the Python client finished no turn while Node ran"
 
@@ -68,15 +80,7 @@ def test_node_suite_beside_a_python_client(stack_factory, node_package):
 
 def test_node_tools_structured_output_logprobs(stack_factory, node_package):
     stack = stack_factory(workers=1, slabs=2)
-    node = node_test(node_package, ["dist/test/tools.test.js"], stack.frontend)
-    try:
-        output, _ = node.communicate(timeout=NODE_TIMEOUT_S)
-    finally:
-        if node.poll() is None:
-            node.kill()
-            node.wait()
-    assert node.returncode == 0, f"{output}\n{stack.logs()}"
-    assert "# fail 0" in output or "ℹ fail 0" in output, output
+    output = passed(node_test(node_package, ["dist/test/tools.test.js"], stack.frontend), stack)
     assert "KVMUX_ENDPOINT not set" not in output, output  # the stack tests really ran
 
 
@@ -99,12 +103,5 @@ def test_node_chats_over_curve(stack_factory, node_package):
         KVMUX_OTHER_PUBLIC_KEY=bob[0],
         KVMUX_OTHER_SECRET_KEY=bob[1],
     )
-    try:
-        output, _ = node.communicate(timeout=NODE_TIMEOUT_S)
-    finally:
-        if node.poll() is None:
-            node.kill()
-            node.wait()
-    assert node.returncode == 0, f"{output}\n{stack.logs()}"
-    assert "# fail 0" in output or "ℹ fail 0" in output, output
+    output = passed(node, stack)
     assert "skipped 0" in output, output  # the CURVE tests really ran

@@ -127,6 +127,19 @@ def _bad(message: str, param: str | None = None) -> HTTPError:
     return HTTPError(400, message, "invalid_request_error", "invalid_value", param=param)
 
 
+def _numbers(body: dict, kinds: dict[str, type]) -> dict:
+    """The sampling numbers a request gives (`kinds`: name -> int or float,
+    a float taking an int too); a bool or anything else is a 400."""
+    options = {}
+    for name, kind in kinds.items():
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, (int, float) if kind is float else int) or isinstance(value, bool):
+                raise _bad(f"{name} must be a number", name)
+            options[name] = value
+    return options
+
+
 def _message(m: object) -> dict:
     """A request's message as the gateway keeps it: role, text content, and
     a call's tool_calls ({id, name, arguments}) or a result's tool_call_id."""
@@ -214,18 +227,10 @@ def _parse(body: object) -> ChatRequest:
         raise _bad("the last message must not be the assistant's: there is nothing to reply to", "messages")
     if body.get("n", 1) != 1:
         raise _bad("n must be 1", "n")
-    options = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    for name, value, kind in (
-        ("max_tokens", max_tokens, int),
-        ("temperature", body.get("temperature"), (int, float)),
-        ("top_p", body.get("top_p"), (int, float)),
-        ("seed", body.get("seed"), int),
-    ):
-        if value is not None:
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise _bad(f"{name} must be a number", name)
-            options[name] = value
+    options = _numbers(
+        {**body, "max_tokens": max_tokens}, {"max_tokens": int, "temperature": float, "top_p": float, "seed": int}
+    )
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

@@ -26,6 +26,7 @@ from .app import (
     _check_key,
     _first,
     _from_kvmux,
+    _numbers,
     _protocol_messages,
     _rebind,
     _session,
@@ -194,13 +195,7 @@ def _request(body: object) -> ChatRequest:
             raise _bad(f"{name} is not supported by kvmux", name)
     if "max_tokens" not in body:
         raise _bad("max_tokens is required", "max_tokens")
-    options = {}
-    for name, kind in (("max_tokens", int), ("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int)):
-        value = body.get(name)
-        if value is not None:
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise _bad(f"{name} must be a number", name)
-            options[name] = value
+    options = _numbers(body, {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int})
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
