@@ -216,6 +216,7 @@ def peers(
     max_tokens: int = typer.Option(8, help="Reply length per turn (greedy)."),
     concurrent: int = typer.Option(4, help="Conversations at once for the aggregate tokens/s."),
     concurrent_turns: int = typer.Option(20, help="Turns per concurrent conversation."),
+    regenerate_every: int = typer.Option(10, help="A regenerate every this many turns (chat completions); 0: none."),
     model_dir: Path | None = typer.Option(
         None, help="The mlx-lm directory for mlx_lm.server (default: exported from the embedded GGUF once)."
     ),
@@ -227,7 +228,13 @@ def peers(
     logs.configure()
     from .peers import PeersConfig, default_model_dir, plot, run
 
-    cfg = PeersConfig(turns=turns, max_tokens=max_tokens, concurrent=concurrent, concurrent_turns=concurrent_turns)
+    cfg = PeersConfig(
+        turns=turns,
+        max_tokens=max_tokens,
+        concurrent=concurrent,
+        concurrent_turns=concurrent_turns,
+        regenerate_every=regenerate_every,
+    )
     doc = run(cfg, output, model_dir or default_model_dir())
     png = plot(doc, output.with_suffix(".png"))
     typer.echo(json.dumps(doc["summary"], indent=1))

@@ -11,9 +11,14 @@ in one run.
   latency, the serving process's RSS, the reply.
 - concurrent: 4 such conversations at once for `concurrent_turns` turns;
   aggregate generated tokens/s.
-- gateway: the same long chat through `kvmux http` with the `openai`
-  client, the whole history every turn as an OpenAI client sends it (where
-  the openai package is installed).
+- gateway: the same long chat through `kvmux http` three ways: chat
+  completions with the `openai` client (the whole history every turn, as an
+  OpenAI client sends it), the Responses API (`previous_response_id`: only
+  the new message), and Anthropic's Messages API with the `anthropic`
+  client (the whole history), where those packages are installed.
+- regenerate: every `regenerate_every` turns the chat completions client
+  (kvmux http and mlx_lm.server alike) sends the conversation again without
+  its last reply, as a chat UI's regenerate button does; timed apart.
 
 The report compares per-turn latency (kvmux below the peer at every turn is
 the goal), memory, aggregate tokens/s, and how many replies were equal (the
@@ -23,6 +28,7 @@ two see the same context until kvmux's window drops old turns).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -58,6 +64,7 @@ class PeersConfig:
     max_tokens: int = 8
     concurrent: int = 4
     concurrent_turns: int = 20
+    regenerate_every: int = 10
     system: str = "Be brief."
 
 
@@ -190,6 +197,14 @@ class HttpChat:
 
     def turn(self, text: str) -> tuple[str, int]:
         self.messages.append({"role": "user", "content": text})
+        return self._reply()
+
+    def regenerate(self) -> None:
+        """The conversation again without its last reply; the new reply replaces it."""
+        self.messages.pop()
+        self._reply()
+
+    def _reply(self) -> tuple[str, int]:
         completion = self.api.chat.completions.create(
             model="kvmux",
             messages=self.messages,
@@ -200,6 +215,50 @@ class HttpChat:
         reply = completion.choices[0].message.content
         self.messages.append({"role": "assistant", "content": reply})
         return reply, completion.usage.completion_tokens
+
+
+class HttpResponses:
+    """A conversation through `kvmux http`'s Responses API: each turn sends
+    only its message and the previous response's id."""
+
+    def __init__(self, url: str, system: str, max_tokens: int):
+        import openai
+
+        self.api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused-on-loopback", max_retries=0, timeout=600)
+        self.system, self.max_tokens, self.previous = system, max_tokens, None
+
+    def turn(self, text: str) -> tuple[str, int]:
+        response = self.api.responses.create(
+            model="kvmux",
+            input=text,
+            instructions=self.system,
+            previous_response_id=self.previous,
+            max_output_tokens=self.max_tokens,
+            temperature=0.0,
+        )
+        self.previous = response.id
+        return response.output_text, response.usage.output_tokens
+
+
+class HttpMessages:
+    """A conversation through `kvmux http`'s Anthropic Messages API with the
+    `anthropic` client: the whole history every turn (greedy: the worker's
+    default; this SDK takes no temperature in `create`)."""
+
+    def __init__(self, url: str, system: str, max_tokens: int):
+        import anthropic
+
+        self.api = anthropic.Anthropic(base_url=url, api_key="unused-on-loopback", max_retries=0, timeout=600)
+        self.system, self.max_tokens, self.messages = system, max_tokens, []
+
+    def turn(self, text: str) -> tuple[str, int]:
+        self.messages.append({"role": "user", "content": text})
+        message = self.api.messages.create(
+            model="kvmux", system=self.system, messages=self.messages, max_tokens=self.max_tokens
+        )
+        reply = "".join(block.text for block in message.content if block.type == "text")
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply, message.usage.output_tokens
 
 
 @contextlib.contextmanager
@@ -240,22 +299,28 @@ class Peer:
         self.messages.append({"role": "assistant", "content": reply})
         return reply, tokens
 
+    def regenerate(self) -> None:
+        """The conversation again without its last reply; the new reply replaces it."""
+        self.messages.pop()
+        self.messages.append({"role": "assistant", "content": peer_turn(self.url, self.messages, self.max_tokens)[0]})
 
-def conversation(new: Callable[[], object], pid: int, turns: int, name: str, progress: bool) -> list[dict]:
+
+def conversation(
+    new: Callable[[], object], pid: int, turns: int, name: str, progress: bool, regenerate_every: int = 0
+) -> list[dict]:
+    """Per turn: latency, RSS, tokens, the reply; and every
+    `regenerate_every` turns (where the chat can) a regenerate's latency."""
     chat = new()
     rows = []
     for turn in tqdm(range(1, turns + 1), desc=f"{name} conversation", unit="turn", disable=not progress):
         started = time.perf_counter()
         reply, tokens = chat.turn(message(turn))
-        rows.append(
-            {
-                "turn": turn,
-                "latency_s": round(time.perf_counter() - started, 4),
-                "rss_mb": round(rss_kb(pid) / 1024, 1),
-                "tokens": tokens,
-                "reply": reply,
-            }
-        )
+        row = {"turn": turn, "latency_s": round(time.perf_counter() - started, 4)}
+        if regenerate_every and turn % regenerate_every == 0 and hasattr(chat, "regenerate"):
+            started = time.perf_counter()
+            chat.regenerate()
+            row["regenerate_s"] = round(time.perf_counter() - started, 4)
+        rows.append(row | {"rss_mb": round(rss_kb(pid) / 1024, 1), "tokens": tokens, "reply": reply})
     return rows
 
 
@@ -283,28 +348,44 @@ def concurrent(new: Callable[[], object], count: int, turns: int) -> dict:
     }
 
 
-def _has_openai() -> bool:
+def _has(package: str) -> bool:
     try:
-        import openai  # noqa: F401
+        __import__(package)
     except ImportError:
         return False
     return True
 
 
-def _gateway_summary(doc: dict, marks: list[int]) -> dict | None:
-    """Per-turn latency through the gateway, and its cost over the Python
-    client for the same turn (median of the per-turn differences)."""
-    if "kvmux_http" not in doc:
+GATEWAY_APIS = {  # report key: (the chat class, the package it needs)
+    "kvmux_http": (HttpChat, "openai"),
+    "kvmux_http_responses": (HttpResponses, "openai"),
+    "kvmux_http_messages": (HttpMessages, "anthropic"),
+}
+
+
+def _gateway_summary(doc: dict, name: str, marks: list[int]) -> dict | None:
+    """Per-turn latency through one of the gateway's APIs, and its cost over
+    the Python client for the same turn (median of the per-turn differences)."""
+    if name not in doc:
         return None
-    g, k = doc["kvmux_http"]["conversation"], doc["kvmux"]["conversation"]
+    g, k = doc[name]["conversation"], doc["kvmux"]["conversation"]
     turns = min(len(g), len(k))
     extra = sorted(g[i]["latency_s"] - k[i]["latency_s"] for i in range(turns))
-    return {
+    out = {
         "latency_s": {t: g[t - 1]["latency_s"] for t in marks if t <= len(g)},
         "latency_p50_s": percentile([r["latency_s"] for r in g], 50),
         "overhead_vs_client_p50_s": round(extra[len(extra) // 2], 4),
         "replies_equal_to_client": sum(g[i]["reply"] == k[i]["reply"] for i in range(turns)),
     }
+    return out | _regenerates(g)
+
+
+def _regenerates(rows: list[dict]) -> dict:
+    """The regenerates' latency: median, and at the last one (the longest history)."""
+    times = [r["regenerate_s"] for r in rows if "regenerate_s" in r]
+    if not times:
+        return {}
+    return {"regenerates": len(times), "regenerate_p50_s": percentile(times, 50), "regenerate_last_s": times[-1]}
 
 
 PEERS = ("mlx_lm_server", "llama_cpp_server")
@@ -327,8 +408,8 @@ def summarize(doc: dict) -> dict:
         "latency_p50_s": {name: percentile([r["latency_s"] for r in rows], 50) for name, rows in runs.items()},
         "rss_mb_last": {name: rows[-1]["rss_mb"] for name, rows in runs.items()},
         "concurrent_tokens_per_s": {name: doc[name]["concurrent"]["tokens_per_s"] for name in runs},
-        "kvmux_http": _gateway_summary(doc, marks),
     }
+    out |= {name: _gateway_summary(doc, name, marks) for name in GATEWAY_APIS}
     for name in peers:
         p = runs[name]
         turns = min(len(k), len(p))
@@ -341,6 +422,7 @@ def summarize(doc: dict) -> dict:
             "concurrent_tokens_per_s_vs_kvmux": round(
                 out["concurrent_tokens_per_s"][name] / out["concurrent_tokens_per_s"]["kvmux"], 3
             ),
+            **_regenerates(p),
         }
     return out
 
@@ -361,21 +443,21 @@ def run(cfg: PeersConfig, output: Path, model_dir: Path, progress: bool = True) 
         writer.write()
         doc["kvmux"]["concurrent"] = concurrent(new, cfg.concurrent, cfg.concurrent_turns)
         writer.write()
-        if _has_openai():
-            with http_gateway(daemon.frontend) as url:
-
-                def new_gateway():
-                    return HttpChat(url, cfg.system, cfg.max_tokens)
-
-                rows = conversation(new_gateway, worker_pid, cfg.turns, "kvmux http", progress)
-                doc["kvmux_http"] = {"conversation": rows}
-            writer.write()
+        with http_gateway(daemon.frontend) as url:
+            for name, (chat, package) in GATEWAY_APIS.items():
+                if _has(package):
+                    label = name.replace("_", " ", 1).replace("_", " /v1/")
+                    new_chat = functools.partial(chat, url, cfg.system, cfg.max_tokens)
+                    rows = conversation(new_chat, worker_pid, cfg.turns, label, progress, cfg.regenerate_every)
+                    doc[name] = {"conversation": rows}
+                    writer.write()
     with mlx_lm_server(export_mlx_dir(model_dir), cfg.max_tokens) as (url, pid):
 
         def new_peer():
             return Peer(url, cfg.system, cfg.max_tokens)
 
-        doc["mlx_lm_server"] = {"conversation": conversation(new_peer, pid, cfg.turns, "mlx_lm.server", progress)}
+        rows = conversation(new_peer, pid, cfg.turns, "mlx_lm.server", progress, cfg.regenerate_every)
+        doc["mlx_lm_server"] = {"conversation": rows}
         writer.write()
         doc["mlx_lm_server"]["concurrent"] = concurrent(new_peer, cfg.concurrent, cfg.concurrent_turns)
         writer.write()
@@ -403,7 +485,9 @@ def plot(doc: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (lat, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    lines = [("kvmux", "kvmux (session)"), ("kvmux_http", "kvmux http (openai client, whole history)")]
+    lines = [("kvmux", "kvmux (session)"), ("kvmux_http", "kvmux http chat completions (whole history)")]
+    lines += [("kvmux_http_responses", "kvmux http /v1/responses (previous_response_id)")]
+    lines += [("kvmux_http_messages", "kvmux http /v1/messages (anthropic client)")]
     lines += [("mlx_lm_server", "mlx_lm.server (prompt cache)"), ("llama_cpp_server", "llama.cpp server (Q4_1)")]
     for name, label in lines:
         if name not in doc:

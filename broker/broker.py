@@ -42,6 +42,7 @@ from kvmux.protocol import (
     Endpoint,
     Envelope,
     ErrorCode,
+    Found,
     Op,
     OverloadReason,
     Pong,
@@ -367,7 +368,7 @@ class Broker:
         self.to_worker(session.worker, pending.route, pending.env_raw, pending.body)
 
     def forward(self, frame: ClientFrame) -> None:
-        """APPEND, GENERATE, INFO, CLOSE, CREDIT, REWIND: to the worker holding the
+        """APPEND, GENERATE, INFO, CLOSE, CREDIT, REWIND, MARK: to the worker holding the
         session's slab, untouched; for a hibernated session see Lifecycle.dormant."""
         env = frame.env
         session = self._session(frame)
@@ -432,6 +433,23 @@ class Broker:
     def _list_sessions(self, frame: ClientFrame) -> None:
         self.lifecycle.list_sessions(frame)
 
+    def _mark(self, frame: ClientFrame) -> None:
+        """MARK goes to the session's worker (its record keeps the names);
+        the broker learns the names on the way, for FIND."""
+        session = self._session(frame)
+        body = decode_body(Op.MARK, frame.body)
+        self.forward(frame)
+        self.registry.unname(session, body.drop)
+        self.registry.name(session, body.marks)
+
+    def _find(self, frame: ClientFrame) -> None:
+        """The caller's session that has the first of the names one has."""
+        for name in decode_body(Op.FIND, frame.body).names:
+            session = self.registry.sessions.get(self.registry.names.get(name, ""))
+            if session is not None and session.ending is None and frame.owns(session):
+                return self.reply(frame.route, frame.env, Found(name=name, session_id=session.session_id))
+        raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, "no session has any of these names")
+
     # Every client op, by the handler that serves it.
     _handlers: ClassVar[dict[str, Handler]] = {
         Op.OPEN: _open,
@@ -447,6 +465,8 @@ class Broker:
         Op.RESUME: _resume,
         Op.SESSIONS: _list_sessions,
         Op.REWIND: forward,
+        Op.MARK: _mark,
+        Op.FIND: _find,
     }
 
     def _session(self, frame: ClientFrame) -> SessionEntry:

@@ -98,6 +98,7 @@ class Lifecycle:
                 head.session_id, None, b"", head.owner, last, opened, store=self.store.store_id
             )
             session.opened_at = head.created
+            self.registry.name(session, head.marks)
             count += 1
         log.info("store_loaded", store=self.store.store_id, sessions=count, corrupt=corrupt)
 
@@ -117,7 +118,7 @@ class Lifecycle:
             self.registry.track(route, env.request_id, env.op, reader, session.session_id)
             return self.sends.to_worker(reader, route, frame.env_raw, frame.body)
         if env.op == Op.INFO:
-            token_ids = decode_body(Op.INFO, frame.body).token_ids
+            info = decode_body(Op.INFO, frame.body)
             try:
                 record = self.store.load(session.session_id)
             except StoreUnavailable as exc:
@@ -127,9 +128,7 @@ class Lifecycle:
                     ErrorCode.SESSION_CORRUPT, f"session {session.session_id} is corrupt: {exc}"
                 ) from None
             idle = frame.now - session.last_active
-            return self.sends.reply(
-                route, env, durable.hibernated_info(record, self._slab_bytes(record), idle, token_ids)
-            )
+            return self.sends.reply(route, env, durable.hibernated_info(record, self._slab_bytes(record), idle, info))
         if env.op == Op.CLOSE:
             decode_body(Op.CLOSE, frame.body)
             try:
@@ -211,6 +210,7 @@ class Lifecycle:
         last = now - max(0.0, time.time() - head.updated)
         session = self.registry.add_session(head.session_id, None, b"", head.owner, last, _opened_from(head), store)
         session.opened_at = head.created
+        self.registry.name(session, head.marks)
 
     def adopt(self, worker: WorkerEntry, session_id: str, now: float) -> None:
         """A session the worker kept (across our restart, or its

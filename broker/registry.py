@@ -92,6 +92,7 @@ class SessionEntry:
     in_flight: int = 0
     ending: ErrorCode | None = None  # why the broker decided to close it (its calls are refused with it)
     held: list[Any] = field(default_factory=list)  # ClientFrames that came while it hibernated
+    names: set[str] = field(default_factory=set)  # its named points (Mark), in Registry.names
 
     @property
     def live(self) -> bool:
@@ -132,6 +133,10 @@ class Registry:
         self.sessions: dict[str, SessionEntry] = {}
         self.requests: dict[tuple[bytes, int], Request] = {}
         self.gone: OrderedDict[str, Gone] = OrderedDict()
+        # A session's named points (Mark) -> the session: what FIND looks up.
+        # Learnt from the records at start and from the MARKs passing through;
+        # the worker's record is the truth (a rewind forgets names there).
+        self.names: dict[str, str] = {}
 
     # ------------------------------------------------------------ workers
 
@@ -214,6 +219,21 @@ class Registry:
             worker.sessions.add(session_id)
         return session
 
+    def name(self, session: SessionEntry, names) -> None:
+        """The session has these names now (the last to take a name has it)."""
+        for name in names:
+            previous = self.sessions.get(self.names.get(name, ""))
+            if previous is not None and previous is not session:
+                previous.names.discard(name)
+            self.names[name] = session.session_id
+            session.names.add(name)
+
+    def unname(self, session: SessionEntry, names) -> None:
+        for name in list(names):
+            if self.names.get(name) == session.session_id:
+                del self.names[name]
+            session.names.discard(name)
+
     # Every change of a session's state (State's docstring has the map).
 
     def hibernating(self, session: SessionEntry) -> None:
@@ -263,6 +283,8 @@ class Registry:
         session = self.sessions.pop(session_id, None)
         if session is not None and session.worker is not None:
             session.worker.sessions.discard(session_id)
+        if session is not None:
+            self.unname(session, session.names)
         if code is not None:
             self.gone[session_id] = Gone(code, why, session.owner if session is not None else "")
             while len(self.gone) > _GONE_MEMORY:

@@ -49,6 +49,8 @@ class Op:
     RESUME = "resume"  # a handle on an existing session (the broker answers)
     SESSIONS = "sessions"  # list every session, live and hibernated
     REWIND = "rewind"  # take a session back to the end of an earlier turn
+    MARK = "mark"  # name points of a session's conversation
+    FIND = "find"  # the session that has a name (the broker answers)
     # worker <-> broker
     READY = "ready"
     HEARTBEAT = "heartbeat"
@@ -76,6 +78,8 @@ REQUEST_BODIES: dict[str, type] = {
     Op.SESSIONS: m.ListSessions,
     Op.HIBERNATE: m.Hibernate,
     Op.REWIND: m.Rewind,
+    Op.MARK: m.Mark,
+    Op.FIND: m.Find,
 }
 WORKER_BODIES: dict[str, type] = {
     Op.READY: m.WorkerReady,
@@ -84,7 +88,9 @@ WORKER_BODIES: dict[str, type] = {
     Op.RESTORED: m.Restored,
 }
 # Ops that address an existing session (envelope session_id required).
-SESSION_OPS = frozenset({Op.APPEND, Op.GENERATE, Op.CANCEL, Op.CREDIT, Op.INFO, Op.CLOSE, Op.RESUME, Op.REWIND})
+SESSION_OPS = frozenset(
+    {Op.APPEND, Op.GENERATE, Op.CANCEL, Op.CREDIT, Op.INFO, Op.CLOSE, Op.RESUME, Op.REWIND, Op.MARK}
+)
 REPLY_OPS = frozenset({Op.PARTIAL, Op.FINAL, Op.ERROR})
 
 

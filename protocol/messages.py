@@ -166,8 +166,30 @@ class Rewind(_Body):
     messages: int
 
 
+class Mark(_Body):
+    """Name points of the session's conversation, each at a message count
+    it has reached (a client's labels: a conversation's hash, a response
+    id), with an optional note kept beside it (the client's own data), and
+    forget the names in `drop`. A rewind forgets the names past the point it
+    goes back to. The names live in the session's record; the broker finds
+    a session by them (Find)."""
+
+    marks: dict[str, int] = {}
+    notes: dict[str, str] = {}  # name -> note, for names in `marks`
+    drop: list[str] = []
+    from_end: bool = False  # `marks` count back from the conversation's end (0: the end itself)
+
+
+class Find(_Body):
+    """The caller's session that has one of `names` (the first of them that
+    one has); answered with Found, or session_not_found."""
+
+    names: list[str]
+
+
 class Info(_Body):
     token_ids: bool = False  # also return the whole history's token ids
+    marks: list[str] = []  # also return these names' message counts and notes (Mark)
 
 
 class Close(_Body):
@@ -226,6 +248,7 @@ class StoredSession(msgspec.Struct, kw_only=True, omit_defaults=True):
     sink: int
     window: int
     tokens: int = 0  # history and pending tokens
+    marks: dict[str, int] = {}  # its named points (Mark): what Find looks for
 
 
 class WorkerReady(_Body):
@@ -316,6 +339,15 @@ class GenerateResult(Reply, tag="result"):
     tool_calls: list[ToolCall] = []  # the calls the reply made (stop_reason tool_calls)
 
 
+class Marked(Reply, tag="marked"):
+    marks: int  # the names the session has now
+
+
+class Found(Reply, tag="found"):
+    name: str  # the first of Find's names that a session has
+    session_id: str
+
+
 class SessionInfo(Reply, tag="info"):
     session_id: str
     worker_id: str
@@ -333,6 +365,9 @@ class SessionInfo(Reply, tag="info"):
     state: str = "live"  # live (in a slab) | hibernated (in the store)
     restores: int = 0
     last_restore_s: float = 0.0
+    pending_tokens: int = 0  # of history_tokens, those not fed yet: the next request prefills them
+    marks: dict[str, int] = {}  # of the names Info asked for, those the session has
+    notes: dict[str, str] = {}
 
 
 class Rewound(Reply, tag="rewound"):
@@ -450,6 +485,8 @@ ReplyBody = (
     | GenerateResult
     | SessionInfo
     | Rewound
+    | Marked
+    | Found
     | Closed
     | Hibernated
     | SessionList

@@ -8,12 +8,14 @@ token is fed again, with the next request, for the logits the next reply
 starts from. A slab whose ring has wrapped has overwritten what the undone
 tokens replaced: it is rebuilt from the session's last snapshot when that
 precedes the turn (the tokens after it are fed again), else from nothing.
-The history, the conversation and the record go back exactly.
+The history, the conversation and the record go back exactly; the names
+of points past the turn (Mark) are forgotten.
 """
 
 from __future__ import annotations
 
 from kvmux.sessions import SessionStore, Turn
+from kvmux.sessions.durable import unmark_past
 
 from .engine import Engine, LiveSession
 from .lookup import Lookup
@@ -28,6 +30,7 @@ def rewind_to(engine: Engine, store: SessionStore, session: LiveSession, turn: T
     conversation = session.conversation
     conversation.rollback((turn.messages, conversation.rendered[: turn.rendered]))
     session.turns = [t for t in session.turns if t.tokens <= turn.tokens and t.messages <= turn.messages]
+    unmark_past(session, turn.messages)
     if turn.tokens >= fed:  # only tokens not fed yet go
         session.pending = tokens[fed : turn.tokens]
         return False

@@ -292,7 +292,7 @@ class Scheduler:
             record = durable.stored(self.store, env.session_id)
             slab_bytes = self.engine.slab_bytes(record.sink, record.window)
             idle_s = max(0.0, time.time() - record.updated)
-            info = durable.hibernated_info(record, slab_bytes, idle_s, body.token_ids)
+            info = durable.hibernated_info(record, slab_bytes, idle_s, body)
             self.send(route, Op.FINAL, env.request_id, env.session_id, info)
             return None
         return self.restore(env.session_id)
@@ -546,8 +546,17 @@ class Scheduler:
                 token_ids=session.history + session.pending if body.token_ids else None,
                 restores=session.restores,
                 last_restore_s=session.last_restore_s,
+                pending_tokens=len(session.pending),
+                **durable.marked(session, body.marks),
             ),
         )
+
+    def mark(self, route: bytes, env: p.Envelope, body: p.Mark, session: LiveSession) -> None:
+        if session.session_id in self.jobs:  # its record is written when the request ends, not in between
+            raise ProtocolError(ErrorCode.BUSY, "an append or generate is running on this session: mark it after")
+        durable.mark(session, body, len(session.conversation.messages))
+        self.save(session)
+        self.send(route, Op.FINAL, env.request_id, session.session_id, p.Marked(marks=len(session.marks)))
 
     def rewind(self, route: bytes, env: p.Envelope, body: p.Rewind, session: LiveSession) -> None:
         self.ensure_idle(session)
@@ -629,4 +638,5 @@ class Scheduler:
         Op.CLOSE: close_request,
         Op.HIBERNATE: hibernate,
         Op.REWIND: rewind,
+        Op.MARK: mark,
     }

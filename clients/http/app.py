@@ -19,10 +19,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvmux import logs
 from kvmux import protocol as p
 from kvmux.client import AsyncClient, errors
 
-from .binding import Bindings, Bound
+from . import binding
+from .binding import Bound
+
+log = logs.get("http")
 
 SESSION_HEADER = "X-Kvmux-Session"
 FINISH = {"eos": "stop", "stop": "stop", "cancelled": "stop", "max_tokens": "length", "tool_calls": "tool_calls"}
@@ -34,7 +38,6 @@ class Gateway:
     api_keys: list[str] = field(default_factory=list)  # none: loopback only (the CLI checks the host)
     timeout_s: float = 600.0
     client: AsyncClient | None = None
-    bindings: Bindings = field(default_factory=Bindings)
 
 
 class HTTPError(Exception):
@@ -296,21 +299,9 @@ async def _find_session(gateway: Gateway, request: Request, chat: ChatRequest):
         session = await client.resume_session(pinned)
         last = max((i for i, m in enumerate(chat.messages) if m["role"] == "assistant"), default=-1)
         return session, Bound(session.id, 0, pinned=True), chat.messages[last + 1 :]
-    claim = gateway.bindings.claim(chat.messages, chat.context)
-    if claim is not None:
-        try:
-            session = await client.resume_session(claim.bound.session_id)
-            if claim.rewind is not None:  # a regenerate or an edited last message: back to the turn before
-                claim.bound.held = (await session.rewind(claim.rewind)).kept_tokens
-            return session, claim.bound, chat.messages[claim.held :]
-        except errors.KvmuxError as exc:  # closed, expired or lost by the daemon, or no turn ends there: afresh
-            if exc.code not in (
-                p.ErrorCode.SESSION_NOT_FOUND,
-                p.ErrorCode.SESSION_EXPIRED,
-                p.ErrorCode.SESSION_CORRUPT,
-                p.ErrorCode.INVALID_ARGUMENT,
-            ):
-                raise
+    claimed = await binding.claim(client, chat.messages, chat.context)
+    if claimed is not None:
+        return claimed
     messages = chat.messages
     system = messages[0]["content"] if messages[0]["role"] == "system" else None
     session = await client.open_session(
@@ -329,14 +320,19 @@ def _usage(bound: Bound, result: p.GenerateResult) -> dict:
     }
 
 
+async def json_body(request: Request) -> object:
+    """The request's JSON body; a 400 when it is not JSON."""
+    try:
+        return await request.json()
+    except ValueError:
+        raise HTTPError(400, "the body is not JSON", "invalid_request_error", "invalid_json") from None
+
+
 async def chat_completions(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     try:
         _check_key(gateway, request)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise HTTPError(400, "the body is not JSON", "invalid_request_error", "invalid_json") from None
+        body = await json_body(request)
         chat = _parse(body)
         session, bound, new = await _session(gateway, request, chat)
         stream = session.generate(messages=_protocol_messages(new), **chat.options)
@@ -345,13 +341,13 @@ async def chat_completions(request: Request) -> Response:
         headers = {SESSION_HEADER: session.id}
         if chat.stream:
             first = await _first(stream)  # errors before the first token are still HTTP errors
-            events = _events(gateway, chat, session, bound, stream, first, completion_id, created)
+            events = _events(chat, session, bound, stream, first, completion_id, created)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         chunks = [chunk async for chunk in stream]
         result = stream.result
         text = _content("".join(chunk.text for chunk in chunks), result)
         usage = _usage(bound, result)
-        _rebind(gateway, chat, bound, text, result)
+        await _rebind(session, chat, bound, text, result)
         message = {"role": "assistant", "content": text}
         if result.tool_calls:
             message = {"role": "assistant", "content": text or None, "tool_calls": _openai_calls(result.tool_calls)}
@@ -407,8 +403,8 @@ def _logprob(lp: p.Logprobs) -> dict:
     return {**entry(lp.text, lp.logprob), "top_logprobs": [entry(t.text, t.logprob) for t in lp.top]}
 
 
-def _rebind(gateway: Gateway, chat: ChatRequest, bound: Bound, text: str, result: p.GenerateResult) -> None:
-    """The session now holds the conversation and its reply: bind it there,
+async def _rebind(session, chat: ChatRequest, bound: Bound, text: str, result: p.GenerateResult) -> None:
+    """The session now holds the conversation and its reply: name it there,
     under the reply as the client will send it back (its calls too)."""
     if str(result.stop_reason) == "cancelled" or bound.pinned:
         return  # a partial reply: no client will send it back as it is; a pinned session is its client's
@@ -416,10 +412,13 @@ def _rebind(gateway: Gateway, chat: ChatRequest, bound: Bound, text: str, result
     reply = {"role": "assistant", "content": text}
     if result.tool_calls:
         reply["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls]
-    gateway.bindings.bind([*chat.messages, reply], bound, chat.context)
+    try:
+        await binding.bind(session, bound, [*chat.messages, reply], chat.context)
+    except errors.KvmuxError as exc:  # the reply stands; the next turn opens a session anew
+        log.warning("gateway_bind_failed", session=session.id, error=str(exc))
 
 
-async def _events(gateway, chat, session, bound, stream, first, completion_id, created) -> AsyncIterator[str]:
+async def _events(chat, session, bound, stream, first, completion_id, created) -> AsyncIterator[str]:
     """Server-sent events; a client that goes away cancels the generation
     (closing the stream tells the worker)."""
 
@@ -459,7 +458,7 @@ async def _events(gateway, chat, session, bound, stream, first, completion_id, c
                 yield out
         result = stream.result
         usage = _usage(bound, result)
-        _rebind(gateway, chat, bound, _content("".join(parts), result), result)
+        await _rebind(session, chat, bound, _content("".join(parts), result), result)
         yield event({}, FINISH[str(result.stop_reason)])
         if chat.include_usage:
             yield event({}, usage=usage)
@@ -495,7 +494,7 @@ async def health(request: Request) -> Response:
 
 
 def make_app(gateway: Gateway) -> Starlette:
-    from . import messages, page  # they import this module
+    from . import messages, page, responses  # they import this module
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -512,6 +511,7 @@ def make_app(gateway: Gateway) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
+    routes += responses.routes()
     metrics = page.Metrics()
     routes += page.routes(metrics)
     return Starlette(routes=routes, middleware=[page.middleware(metrics)], lifespan=lifespan)

@@ -1,15 +1,22 @@
-"""Conversations -> sessions. OpenAI clients send the whole conversation on
-every request; the gateway keeps, for each of its sessions, a hash chain
-over the messages the session holds (ending with the reply it generated).
-A request whose messages extend one of those chains is appended to that
-session: only its new messages are prefilled. A request that resends the
-conversation without its last reply (a regenerate), or with its last
-message changed, rewinds that session to the turn before and goes on from
-there. Anything else (a new conversation, or an edited earlier message: a
-fork) opens a new session, and the session the old chain belongs to is
-left as it was. A session's
-chat_template_kwargs seed its chain: a request with other template options
-is another conversation.
+"""Conversations -> sessions. OpenAI and Anthropic clients send the whole
+conversation on every request; a session is named by hashes of its own
+conversation, so that the request that resends it finds it again.
+
+A hash chain over a conversation's messages (`chain`) names each of its
+points. After every reply the session is marked (protocol Mark: the names
+live in its record, and the broker finds a session by them) at its last
+three points: before its last message, before its last reply, and its end.
+A request whose messages extend the end is appended to that session: only
+its new messages are prefilled. A request that resends the conversation
+without its last reply (a regenerate), or with its last message changed,
+finds one of the two points before and rewinds the session there. Anything
+else (a new conversation, or an edited earlier message: a fork) opens a new
+session, and the session the old chain names is left as it was.
+
+The names are the daemon's, not the gateway's: a gateway restarted, or
+another one in front of the same daemon, finds the same sessions. A
+session's context (the caller's identity, template options, tools) seeds its
+chain: another key, or other tools, is another conversation.
 """
 
 from __future__ import annotations
@@ -18,11 +25,16 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from kvmux import protocol as p
+from kvmux.client import AsyncClient, errors
+
+POINTS = 3  # a session's chain is named at its last POINTS points
+
 
 def chain(messages: list[dict], context: dict | None = None) -> list[str]:
     """The hash after each message: h_i = sha256(h_{i-1}, message) (its
     role, content, tool calls or the call it answers), h_0 the session's
-    context: template options and tools (nothing without any)."""
+    context (nothing without any)."""
     out, h = [], json.dumps(context, sort_keys=True).encode() if context else b""
     for m in messages:
         digest = hashlib.sha256(h)
@@ -36,63 +48,49 @@ def chain(messages: list[dict], context: dict | None = None) -> list[str]:
 class Bound:
     session_id: str
     held: int  # tokens the session's slab holds (prompts and replies so far): reused by the next turn
-    keys: list[str] = field(default_factory=list)  # where Bindings indexes it
-    pinned: bool = False  # named by the request (X-Kvmux-Session): its client keeps it, no binding
+    names: list[str] = field(default_factory=list)  # the chain names the session has: replaced after its reply
+    pinned: bool = False  # named by the request (X-Kvmux-Session): its client keeps it, no names
 
 
-@dataclass
-class Claim:
-    """What a request continues: the session, how many of the request's
-    messages it holds, and where to rewind it first (None: it continues as
-    it is; else the number of messages its last turn goes back to)."""
-
-    bound: Bound
-    held: int
-    rewind: int | None = None
+_STALE = (p.ErrorCode.SESSION_NOT_FOUND, p.ErrorCode.SESSION_EXPIRED, p.ErrorCode.SESSION_CORRUPT)
 
 
-class Bindings:
-    """Chain hash -> the session whose conversation ends there, and the two
-    points before its last reply and before its last message (a regenerate,
-    an edit of the last message: the session is rewound there instead of
-    prefilling the conversation again in a new one). A session is claimed
-    by the request that continues it (so two requests never share one), and
-    bound again, under its new chain, once it replies."""
-
-    def __init__(self, most: int = 10_000):
-        self.ends: dict[str, Bound] = {}
-        self.rewinds: dict[str, tuple[Bound, int]] = {}  # chain hash -> (session, its messages there)
-        self.most = most
-
-    def claim(self, messages: list[dict], context: dict | None = None) -> Claim | None:
-        """The session holding the longest prefix of `messages` (not all of
-        them: the last is new); else one that holds `messages` up to its last
-        reply, or up to all but the last message, once rewound."""
-        hashes = chain(messages, context)
-        for held in range(len(messages) - 1, 0, -1):
-            bound = self.ends.get(hashes[held - 1])
-            if bound is not None:
-                self._forget(bound)
-                return Claim(bound, held)
-        for held in (len(messages), len(messages) - 1):
-            found = self.rewinds.get(hashes[held - 1]) if held > 0 else None
-            if found is not None:
-                self._forget(found[0])
-                return Claim(found[0], held, rewind=found[1])
+async def claim(client: AsyncClient, messages: list[dict], context: dict | None):
+    """The session that holds the longest prefix of `messages`, rewound
+    first where the prefix ends before its last reply or message, with the
+    messages it still needs: (session, Bound, new messages); None when no
+    session holds any, or the one that did is gone, busy or cannot go back."""
+    hashes = chain(messages, context)
+    found = await client.find(reversed(hashes))  # the longest first
+    if found is None:
         return None
+    held = hashes.index(found.name) + 1  # the request's messages the session holds
+    try:
+        session = await client.resume_session(found.session_id)
+        session.detach()  # a handle only: the session outlives the gateway
+        info = await session.info(marks=hashes)
+        at = info.marks.get(found.name)
+        if at is None or info.busy:  # the name went with a rewind; or another request is on it now
+            return None
+        bound = Bound(session.id, info.history_tokens - info.pending_tokens, names=list(info.marks))
+        if at < info.messages:  # a regenerate or an edited last message: back to that turn
+            bound.held = (await session.rewind(at)).kept_tokens
+            bound.names = [name for name, point in info.marks.items() if point <= at]
+        elif held == len(messages):
+            return None  # nothing new to reply to
+        return session, bound, messages[held:]
+    except errors.KvmuxError as exc:  # closed, expired or lost, or no turn ends there: afresh
+        if exc.code in _STALE or exc.code in (p.ErrorCode.INVALID_ARGUMENT, p.ErrorCode.BUSY):
+            return None
+        raise
 
-    def bind(self, messages: list[dict], bound: Bound, context: dict | None = None) -> None:
-        hashes = chain(messages, context)
-        bound.keys = hashes[-3:]
-        self.ends[hashes[-1]] = bound
-        for at in range(max(1, len(hashes) - 2), len(hashes)):  # before its last reply, before its last message
-            self.rewinds[hashes[at - 1]] = (bound, at)
-        while len(self.ends) > self.most:  # the oldest ends go first (dicts keep insertion order)
-            self._forget(next(iter(self.ends.values())))
 
-    def _forget(self, bound: Bound) -> None:
-        for key in bound.keys:
-            if self.ends.get(key) is bound:
-                del self.ends[key]
-            if self.rewinds.get(key, (None,))[0] is bound:
-                del self.rewinds[key]
+async def bind(session, bound: Bound, messages: list[dict], context: dict | None) -> None:
+    """The session now holds `messages` (the conversation and its reply):
+    name its last points, in place of the names it had."""
+    hashes = chain(messages, context)
+    # Counted back from the end: the session may hold a message the request
+    # does not (the tools' system prompt, for a template that renders none).
+    names = {hashes[-back - 1]: back for back in range(min(POINTS, len(hashes)))}
+    await session.mark(names, drop=[name for name in bound.names if name not in names], from_end=True)
+    bound.names = list(names)

@@ -32,6 +32,7 @@ from .app import (
     _session,
     _usage,
     chunks,
+    json_body,
 )
 from .page import _own
 
@@ -261,10 +262,7 @@ async def messages(request: Request) -> Response:
         pinned = request.headers.get(SESSION_HEADER)
         if pinned and gateway.api_keys:
             await _own(gateway, request, pinned)  # another key's session is unknown (page.Watch, for chat completions)
-        try:
-            body = await request.json()
-        except ValueError:
-            raise _bad("the body is not JSON") from None
+        body = await json_body(request)
         chat = _request(body)
         session, bound, new = await _session(gateway, request, chat)
         stream = session.generate(messages=_protocol_messages(new), **chat.options)
@@ -272,13 +270,13 @@ async def messages(request: Request) -> Response:
         headers = {SESSION_HEADER: session.id}
         if chat.stream:
             first = await _first(stream)  # errors before the first token are still HTTP errors
-            events = _events(gateway, chat, bound, stream, first, message)
+            events = _events(session, chat, bound, stream, first, message)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         chunks = [chunk async for chunk in stream]
         result = stream.result
         text = _reply_text(result, [chunk.text for chunk in chunks])
         usage = _anthropic_usage(bound, result)
-        _rebind(gateway, chat, bound, text, _sent_back(result))
+        await _rebind(session, chat, bound, text, _sent_back(result))
         content = [{"type": "text", "text": text}] if text else []
         content += [
             {"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
@@ -295,7 +293,7 @@ def _sse(kind: str, **data) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
-async def _events(gateway, chat, bound, stream, first, message) -> AsyncIterator[str]:
+async def _events(session, chat, bound, stream, first, message) -> AsyncIterator[str]:
     """Anthropic's server-sent events: a block per run of text or per tool
     call, its arguments as input_json_delta pieces. A client that goes away
     cancels the generation (closing the stream tells the worker)."""
@@ -335,7 +333,7 @@ async def _events(gateway, chat, bound, stream, first, message) -> AsyncIterator
             yield _sse("content_block_stop", index=len(opened) - 1)
         result = stream.result
         usage = _anthropic_usage(bound, result)
-        _rebind(gateway, chat, bound, _reply_text(result, parts), _sent_back(result))
+        await _rebind(session, chat, bound, _reply_text(result, parts), _sent_back(result))
         yield _sse("message_delta", delta=_stop(chat, result), usage=usage)
         yield _sse("message_stop")
     except errors.KvmuxError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from kvmux import protocol as p
 
-from . import calls, core, wire
+from . import calls, core, errors, wire
 
 
 class AsyncStream(core.StreamBase):
@@ -86,8 +86,28 @@ class AsyncSession(core.SessionCore):
         next generate prefills only `Rewound.pending_tokens` and the new messages."""
         return await self._link.run(self._rewind(messages, timeout))
 
-    async def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
-        return await self._link.run(self._info(token_ids, timeout))
+    async def mark(
+        self,
+        marks: dict[str, int],
+        notes: dict[str, str] | None = None,
+        drop: Iterable[str] = (),
+        *,
+        from_end: bool = False,
+        timeout: float | None = None,
+    ) -> p.Marked:
+        """Name points of the conversation: `marks` maps a name to the
+        message count where it points (one the conversation has reached),
+        `notes` keeps your own data beside a name, `drop` forgets names;
+        with `from_end` the counts go back from the conversation's end.
+        They live in the session's record; `Client.find` finds the session
+        by them. A rewind forgets the names past the point it goes back to."""
+        return await self._link.run(self._mark(marks, notes, drop, from_end, timeout))
+
+    async def info(
+        self, token_ids: bool = False, marks: Iterable[str] = (), *, timeout: float | None = None
+    ) -> p.SessionInfo:
+        """The session's state; `marks`: also these names' points and notes (those it has)."""
+        return await self._link.run(self._info(token_ids, marks, timeout))
 
     async def close(self, *, timeout: float | None = None) -> p.Closed | None:
         return await self._link.run(self._close(timeout))
@@ -137,6 +157,14 @@ class AsyncClient(core.ClientCore):
 
     async def list_sessions(self, *, timeout: float | None = None) -> list[p.SessionSummary]:
         return (await self._call(*core.list_sessions_request(), timeout)).sessions
+
+    async def find(self, names: Iterable[str], *, timeout: float | None = None) -> p.Found | None:
+        """Your session that has one of `names` (Session.mark), the first of
+        them any has: Found(name, session_id); None when none has any."""
+        try:
+            return await self._call(*core.find_request(list(names)), timeout)
+        except errors.SessionNotFound:
+            return None
 
     async def stats(self, *, timeout: float | None = None) -> p.BrokerStats:
         return await self._call(*core.stats_request(), timeout)

@@ -207,6 +207,10 @@ def list_sessions_request() -> Request:
     return p.Op.SESSIONS, "", p.ListSessions()
 
 
+def find_request(names: list[str]) -> Request:
+    return p.Op.FIND, "", p.Find(names=list(names))
+
+
 # ----------------------------------------------------------------- session
 
 
@@ -265,8 +269,13 @@ class SessionCore:
         yield from self._settle()
         return (yield from self._link.ask(p.Op.REWIND, self.id, p.Rewind(messages=messages), timeout))
 
-    def _info(self, token_ids: bool, timeout: float | None) -> Steps:
-        return self._link.ask(p.Op.INFO, self.id, p.Info(token_ids=token_ids), timeout)
+    def _mark(self, marks: dict[str, int], notes: dict[str, str] | None, drop, from_end: bool, timeout) -> Steps:
+        yield from self._settle()
+        body = p.Mark(marks=dict(marks), notes=dict(notes or {}), drop=list(drop), from_end=from_end)
+        return (yield from self._link.ask(p.Op.MARK, self.id, body, timeout))
+
+    def _info(self, token_ids: bool, marks, timeout: float | None) -> Steps:
+        return self._link.ask(p.Op.INFO, self.id, p.Info(token_ids=token_ids, marks=list(marks)), timeout)
 
     def _close(self, timeout: float | None) -> Steps:
         if self.closed:

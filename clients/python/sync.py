@@ -13,6 +13,7 @@ import collections
 import os
 import queue
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -93,8 +94,28 @@ class Session(core.SessionCore):
         next generate prefills only `Rewound.pending_tokens` and the new messages."""
         return self._link.run(self._rewind(messages, timeout))
 
-    def info(self, token_ids: bool = False, *, timeout: float | None = None) -> p.SessionInfo:
-        return self._link.run(self._info(token_ids, timeout))
+    def mark(
+        self,
+        marks: dict[str, int],
+        notes: dict[str, str] | None = None,
+        drop: Iterable[str] = (),
+        *,
+        from_end: bool = False,
+        timeout: float | None = None,
+    ) -> p.Marked:
+        """Name points of the conversation: `marks` maps a name to the
+        message count where it points (one the conversation has reached),
+        `notes` keeps your own data beside a name, `drop` forgets names;
+        with `from_end` the counts go back from the conversation's end.
+        They live in the session's record; `Client.find` finds the session
+        by them. A rewind forgets the names past the point it goes back to."""
+        return self._link.run(self._mark(marks, notes, drop, from_end, timeout))
+
+    def info(
+        self, token_ids: bool = False, marks: Iterable[str] = (), *, timeout: float | None = None
+    ) -> p.SessionInfo:
+        """The session's state; `marks`: also these names' points and notes (those it has)."""
+        return self._link.run(self._info(token_ids, marks, timeout))
 
     def close(self, *, timeout: float | None = None) -> p.Closed | None:
         """Free the session, its slab and its stored record (None if it was
@@ -156,6 +177,14 @@ class Client(core.ClientCore):
     def list_sessions(self, *, timeout: float | None = None) -> list[p.SessionSummary]:
         """Every session the daemon keeps, live and hibernated."""
         return self._call(*core.list_sessions_request(), timeout).sessions
+
+    def find(self, names: Iterable[str], *, timeout: float | None = None) -> p.Found | None:
+        """Your session that has one of `names` (Session.mark), the first of
+        them any has: Found(name, session_id); None when none has any."""
+        try:
+            return self._call(*core.find_request(list(names)), timeout)
+        except errors.SessionNotFound:
+            return None
 
     def stats(self, *, timeout: float | None = None) -> p.BrokerStats:
         return self._call(*core.stats_request(), timeout)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from kvmux.protocol import ErrorCode, ProtocolError, SessionInfo
+from kvmux.protocol import ErrorCode, Info, Mark, ProtocolError, SessionInfo
 
-from .record import SessionRecord, StoreError, StoreUnavailable, state_fields
+from .record import SessionRecord, SessionState, StoreError, StoreUnavailable, state_fields
 from .store import SessionStore
 
 
@@ -118,7 +118,52 @@ def conversation_of(record: SessionRecord) -> tuple[list[dict[str, Any]], str, d
     return record.messages, record.rendered, record.chat_template_kwargs
 
 
-def hibernated_info(record: SessionRecord, slab_bytes: int, idle_s: float, token_ids: bool) -> SessionInfo:
+MARK_NAME_MAX = 256  # characters of a name (Mark)
+MARK_NOTE_MAX = 1 << 20  # characters of a note
+
+
+def mark(state: SessionState, body: Mark, messages: int) -> None:
+    """Apply a Mark to a session whose conversation holds `messages`
+    messages; raises ProtocolError (invalid_argument) before changing
+    anything for a point it has not reached or an oversized name or note."""
+    points = {name: messages - at if body.from_end else at for name, at in body.marks.items()}
+    for name, at in points.items():
+        if not name or len(name) > MARK_NAME_MAX:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"a mark's name takes 1 to {MARK_NAME_MAX} characters")
+        if not 0 <= at <= messages:
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT, f"mark {name!r} at {at} messages: the conversation holds {messages}"
+            )
+    for name, note in body.notes.items():
+        if name not in body.marks:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"a note for {name!r}, which this mark does not name")
+        if len(note) > MARK_NOTE_MAX:
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, f"the note of {name!r} exceeds {MARK_NOTE_MAX} characters")
+    for name in body.drop:
+        state.marks.pop(name, None)
+        state.notes.pop(name, None)
+    state.marks.update(points)
+    for name in points:
+        state.notes.pop(name, None)
+    state.notes.update(body.notes)
+
+
+def unmark_past(state: SessionState, messages: int) -> None:
+    """Forget the names of points past `messages` (a rewind took them away)."""
+    for name in [name for name, at in state.marks.items() if at > messages]:
+        del state.marks[name]
+        state.notes.pop(name, None)
+
+
+def marked(state: SessionState, names: list[str]) -> dict[str, Any]:
+    """Of `names`, those the session has: SessionInfo's marks and notes."""
+    return {
+        "marks": {n: state.marks[n] for n in names if n in state.marks},
+        "notes": {n: state.notes[n] for n in names if n in state.notes},
+    }
+
+
+def hibernated_info(record: SessionRecord, slab_bytes: int, idle_s: float, body: Info) -> SessionInfo:
     """SESSION INFO for a hibernated session, from its record (the broker's
     answer, or a worker's for a store the broker does not read)."""
     history = record.history + record.pending
@@ -135,8 +180,10 @@ def hibernated_info(record: SessionRecord, slab_bytes: int, idle_s: float, token
         window=record.window,
         busy=False,
         messages=len(record.messages),
-        token_ids=history if token_ids else None,
+        token_ids=history if body.token_ids else None,
         state="hibernated",
         restores=record.restores,
         last_restore_s=record.last_restore_s,
+        pending_tokens=len(record.pending),
+        **marked(record, body.marks),
     )

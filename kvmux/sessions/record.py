@@ -64,6 +64,8 @@ class SessionState(msgspec.Struct, kw_only=True):
     snapshot_tokens: int = 0
     replay: list[int] = []  # sizes of the chunks fed since the snapshot, in order
     turns: list[Turn] = []  # where each turn ended, oldest first (Rewind)
+    marks: dict[str, int] = {}  # named points of the conversation: name -> messages (Mark)
+    notes: dict[str, str] = {}  # a client's note beside a name
     restores: int = 0
     last_restore_s: float = 0.0
 

@@ -33,6 +33,8 @@ import {
   type Rewound,
   type Sampling,
   type SessionInfo,
+  type Marked,
+  type Found,
   type SessionList,
   type SessionOpened,
   type SessionSummary,
@@ -102,6 +104,8 @@ const OPEN_KEYS = new Set([...fieldNames("OpenSession"), ...SAMPLING_KEYS, "time
 const GENERATE_KEYS = new Set([...SAMPLING_KEYS, "messages", "credit", "signal", "timeoutMs"]);
 const APPEND_KEYS = new Set(["messages", "tokenIds", "timeoutMs"]);
 const CALL_KEYS = new Set(["timeoutMs"]);
+const MARK_KEYS = new Set(["timeoutMs", "notes", "drop", "fromEnd"]);
+const INFO_KEYS = new Set(["timeoutMs", "tokenIds", "marks"]);
 
 /** Refuse, by name, an option the call does not take (a typo, a snake_case
  * name): dropping it silently would send a different request. */
@@ -190,6 +194,18 @@ export class Client {
   }
 
   /** Every session the daemon keeps, live (in a slab) and hibernated (in its store). */
+  /** Your session that has one of `names` (Session.mark), the first of them
+   * any has: {name, sessionId}; null when none has any. */
+  async find(names: string[], options: CallOptions = {}): Promise<Found | null> {
+    checkOptions(options, CALL_KEYS, "find");
+    try {
+      return await this.call<Found>(Op.FIND, "", "Find", { names }, options.timeoutMs);
+    } catch (err) {
+      if (err instanceof SessionNotFound) return null;
+      throw err;
+    }
+  }
+
   async listSessions(options: CallOptions = {}): Promise<SessionSummary[]> {
     const list = await this.call<SessionList>(Op.SESSIONS, "", "ListSessions", {}, options.timeoutMs);
     return list.sessions;
@@ -365,8 +381,27 @@ export class Session {
     return this.client.call(Op.CANCEL, this.id, "Cancel", {}, options.timeoutMs);
   }
 
-  info(options: CallOptions & { tokenIds?: boolean } = {}): Promise<SessionInfo> {
-    return this.client.call(Op.INFO, this.id, "Info", { tokenIds: options.tokenIds ?? false }, options.timeoutMs);
+  /** Name points of the conversation: `marks` maps a name to the message count
+   * where it points (one the conversation has reached); `notes` keeps your own
+   * data beside a name, `drop` forgets names, and with `fromEnd` the counts go
+   * back from the conversation's end. They live in the session's record;
+   * `client.find` finds the session by them. A rewind forgets the names past
+   * the point it goes back to. */
+  async mark(
+    marks: Record<string, number>,
+    options: CallOptions & { notes?: Record<string, string>; drop?: string[]; fromEnd?: boolean } = {},
+  ): Promise<Marked> {
+    checkOptions(options, MARK_KEYS, "mark");
+    await this.settle();
+    const body = { marks, notes: options.notes ?? {}, drop: options.drop ?? [], fromEnd: options.fromEnd ?? false };
+    return this.client.call(Op.MARK, this.id, "Mark", body, options.timeoutMs);
+  }
+
+  /** The session's state; `marks`: also these names' points and notes (those it has). */
+  info(options: CallOptions & { tokenIds?: boolean; marks?: string[] } = {}): Promise<SessionInfo> {
+    checkOptions(options, INFO_KEYS, "info");
+    const body = { tokenIds: options.tokenIds ?? false, marks: options.marks ?? [] };
+    return this.client.call(Op.INFO, this.id, "Info", body, options.timeoutMs);
   }
 
   /** Free the session's slab (undefined if it was already closed here). */

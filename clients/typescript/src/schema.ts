@@ -21,6 +21,8 @@ export const Op = {
   "RESUME": "resume",
   "SESSIONS": "sessions",
   "REWIND": "rewind",
+  "MARK": "mark",
+  "FIND": "find",
   "READY": "ready",
   "HEARTBEAT": "heartbeat",
   "DISCONNECT": "disconnect",
@@ -87,6 +89,7 @@ export const SCHEMAS: Record<string, StructTable> = {
   ]},
   "Info": {"tag": null, "array": false, "fields": [
     ["token_ids", "bool", false],
+    ["marks", {"list": "str"}, []],
   ]},
   "Close": {"tag": null, "array": false, "fields": [
     ["keep", "bool", false],
@@ -101,6 +104,15 @@ export const SCHEMAS: Record<string, StructTable> = {
   "Hibernate": {"tag": null, "array": false, "fields": []},
   "Rewind": {"tag": null, "array": false, "fields": [
     ["messages", "int"],
+  ]},
+  "Mark": {"tag": null, "array": false, "fields": [
+    ["marks", {"map": "int"}, {}],
+    ["notes", {"map": "str"}, {}],
+    ["drop", {"list": "str"}, []],
+    ["from_end", "bool", false],
+  ]},
+  "Find": {"tag": null, "array": false, "fields": [
+    ["names", {"list": "str"}],
   ]},
   "WorkerReady": {"tag": null, "array": false, "fields": [
     ["model", "str"],
@@ -243,6 +255,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["sink", "int"],
     ["window", "int"],
     ["tokens", "int", 0],
+    ["marks", {"map": "int"}, {}],
   ]},
   "SessionOpened": {"tag": "opened", "array": false, "fields": [
     ["session_id", "str"],
@@ -294,12 +307,22 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["state", "str", "live"],
     ["restores", "int", 0],
     ["last_restore_s", "float", 0.0],
+    ["pending_tokens", "int", 0],
+    ["marks", {"map": "int"}, {}],
+    ["notes", {"map": "str"}, {}],
   ]},
   "Rewound": {"tag": "rewound", "array": false, "fields": [
     ["messages", "int"],
     ["history_tokens", "int"],
     ["kept_tokens", "int"],
     ["pending_tokens", "int"],
+  ]},
+  "Marked": {"tag": "marked", "array": false, "fields": [
+    ["marks", "int"],
+  ]},
+  "Found": {"tag": "found", "array": false, "fields": [
+    ["name", "str"],
+    ["session_id", "str"],
   ]},
   "Closed": {"tag": "closed", "array": false, "fields": [
     ["session_id", "str"],
@@ -398,6 +421,7 @@ export interface Credit {
 
 export interface Info {
   tokenIds?: boolean;
+  marks?: string[];
 }
 
 export interface Close {
@@ -420,6 +444,17 @@ export interface Hibernate {}
 
 export interface Rewind {
   messages: number;
+}
+
+export interface Mark {
+  marks?: Record<string, number>;
+  notes?: Record<string, string>;
+  drop?: string[];
+  fromEnd?: boolean;
+}
+
+export interface Find {
+  names: string[];
 }
 
 export interface WorkerReady {
@@ -577,6 +612,7 @@ export interface StoredSession {
   sink: number;
   window: number;
   tokens?: number;
+  marks?: Record<string, number>;
 }
 
 export interface SessionOpened {
@@ -638,6 +674,9 @@ export interface SessionInfo {
   state?: string;
   restores?: number;
   lastRestoreS?: number;
+  pendingTokens?: number;
+  marks?: Record<string, number>;
+  notes?: Record<string, string>;
 }
 
 export interface Rewound {
@@ -646,6 +685,17 @@ export interface Rewound {
   historyTokens: number;
   keptTokens: number;
   pendingTokens: number;
+}
+
+export interface Marked {
+  type: "marked";
+  marks: number;
+}
+
+export interface Found {
+  type: "found";
+  name: string;
+  sessionId: string;
 }
 
 export interface Closed {
@@ -711,4 +761,4 @@ export interface ErrorReply {
   queueDepth?: number;
 }
 
-export type Reply = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Rewound | Closed | Hibernated | SessionList | Ack | Pong | BrokerStats | ErrorReply;
+export type Reply = SessionOpened | Appended | Chunk | GenerateResult | SessionInfo | Rewound | Marked | Found | Closed | Hibernated | SessionList | Ack | Pong | BrokerStats | ErrorReply;

@@ -187,4 +187,21 @@ describe("tools, structured output and logprobs on a real stack", { skip: endpoi
     await assert.rejects(session.rewind(7), (err: Error) => err instanceof InvalidArgument && /no turn/.test(err.message));
     await session.close();
   });
+  test("mark and find: named points live with the session; a rewind forgets those past it", async () => {
+    const session = await client.openSession({ temperature: 0, maxTokens: 4 });
+    await collect(session.chat("Name a colour."));
+    await collect(session.chat("Name a fruit."));
+    const marked = await session.mark({ resp_first: 2, end_here: 0 }, { notes: { resp_first: "{\"k\": 1}" }, fromEnd: true });
+    assert.equal(marked.marks, 2);
+    const info = await session.info({ marks: ["resp_first", "end_here", "unknown"] });
+    assert.deepEqual(info.marks, { resp_first: 2, end_here: 4 });
+    assert.deepEqual(info.notes, { resp_first: "{\"k\": 1}" });
+    assert.deepEqual(await client.find(["unknown", "end_here"]), { type: "found", name: "end_here", sessionId: session.id });
+    assert.equal(await client.find(["unknown"]), null);
+    await session.rewind(2);
+    assert.deepEqual((await session.info({ marks: ["resp_first", "end_here"] })).marks, { resp_first: 2 });
+    await assert.rejects(session.mark({ later: 9 }), (err: Error) => err instanceof InvalidArgument && /holds 2/.test(err.message));
+    await assert.rejects(session.mark({}, { note: {} } as never), /unknown option "note"/);
+    await session.close();
+  });
 });
