@@ -27,7 +27,7 @@ def http(
         None, help="File of accepted API keys, one per line (Bearer). Without it only loopback is served."
     ),
 ) -> None:
-    """Serve OpenAI's chat completions API; each conversation is a live kvmux session."""
+    """Serve OpenAI's chat completions and Responses APIs, Anthropic's Messages and a page; each conversation is a live kvmux session."""
     import uvicorn
 
     from kvmux import logs
