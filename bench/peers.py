@@ -235,6 +235,7 @@ class HttpResponses:
             previous_response_id=self.previous,
             max_output_tokens=self.max_tokens,
             temperature=0.0,
+            extra_body={"speculative": SPECULATIVE},
         )
         self.previous = response.id
         return response.output_text, response.usage.output_tokens
@@ -254,7 +255,11 @@ class HttpMessages:
     def turn(self, text: str) -> tuple[str, int]:
         self.messages.append({"role": "user", "content": text})
         message = self.api.messages.create(
-            model="kvmux", system=self.system, messages=self.messages, max_tokens=self.max_tokens
+            model="kvmux",
+            system=self.system,
+            messages=self.messages,
+            max_tokens=self.max_tokens,
+            extra_body={"speculative": SPECULATIVE},
         )
         reply = "".join(block.text for block in message.content if block.type == "text")
         self.messages.append({"role": "assistant", "content": reply})

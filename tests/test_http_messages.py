@@ -153,3 +153,5 @@ def test_errors_in_anthropic_shape(base):
         client(base, api_key=None, default_headers={"x-api-key": "sk-wrong"}).messages.create(**question, max_tokens=4)
     message = client(base, api_key=None, default_headers={"x-api-key": KEY}).messages.create(**question, max_tokens=2)
     assert message.usage.output_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="speculative"):  # kvmux's extension, checked by the worker
+        client(base).messages.create(**question, max_tokens=2, extra_body={"speculative": "always"})

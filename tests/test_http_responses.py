@@ -168,6 +168,9 @@ def test_refusals_in_openai_shape(base):
         create(client, input="Hi.", tools=[{"type": "web_search"}])
     with pytest.raises(openai.AuthenticationError):
         create(api(base, key="wrong"), input="Hi.")
+    with pytest.raises(openai.BadRequestError, match="speculative"):  # kvmux's extension, checked by the worker
+        create(client, input="Hi.", extra_body={"speculative": "always"})
+    assert create(client, input="Hi.", extra_body={"speculative": "off"})[0].output_text
 
 
 def test_conversations_outlive_the_gateway_and_gateways_agree(shared_stack, tmp_path):

@@ -91,6 +91,23 @@ def _owner(gateway: Gateway, request: Request) -> str:
     return f"kvmux-http:{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
+def answered(handler):
+    """A route behind the gateway's API keys: `handler(gateway, request)`,
+    its HTTPError and kvmux errors answered in OpenAI's error shape."""
+
+    async def endpoint(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        try:
+            _check_key(gateway, request)
+            return await handler(gateway, request)
+        except HTTPError as exc:
+            return _error(exc)
+        except errors.KvmuxError as exc:
+            return _error(_from_kvmux(exc))
+
+    return endpoint
+
+
 @dataclass
 class ChatRequest:
     messages: list[dict]  # role, content, and a call's tool_calls or a result's tool_call_id
@@ -141,6 +158,17 @@ def _numbers(body: dict, kinds: dict[str, type]) -> dict:
                 raise _bad(f"{name} must be a number", name)
             options[name] = value
     return options
+
+
+def speculative(body: dict) -> dict:
+    """`speculative`, a kvmux extension every route takes (the SDKs' extra_body):
+    auto, off, lookup or draft (the worker refuses another value by name)."""
+    mode = body.get("speculative")
+    if mode is None:
+        return {}
+    if not isinstance(mode, str):
+        raise _bad("speculative must be one of auto, off, lookup, draft", "speculative")
+    return {"speculative": mode}
 
 
 def _message(m: object) -> dict:
@@ -240,11 +268,7 @@ def _parse(body: object) -> ChatRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise _bad("stop must be a string or a list of strings", "stop")
         options["stop"] = stop
-    speculative = body.get("speculative")  # a kvmux extension (the openai SDK's extra_body)
-    if speculative is not None:
-        if not isinstance(speculative, str):
-            raise _bad("speculative must be one of auto, off, lookup, draft", "speculative")
-        options["speculative"] = speculative
+    options.update(speculative(body))
     template_kwargs = body.get("chat_template_kwargs")  # vLLM's extension (the openai SDK's extra_body)
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs")
@@ -328,45 +352,39 @@ async def json_body(request: Request) -> object:
         raise HTTPError(400, "the body is not JSON", "invalid_request_error", "invalid_json") from None
 
 
-async def chat_completions(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    try:
-        _check_key(gateway, request)
-        body = await json_body(request)
-        chat = _parse(body)
-        session, bound, new = await _session(gateway, request, chat)
-        stream = session.generate(messages=_protocol_messages(new), **chat.options)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        headers = {SESSION_HEADER: session.id}
-        if chat.stream:
-            first = await _first(stream)  # errors before the first token are still HTTP errors
-            events = _events(chat, session, bound, stream, first, completion_id, created)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        chunks = [chunk async for chunk in stream]
-        result = stream.result
-        text = _content("".join(chunk.text for chunk in chunks), result)
-        usage = _usage(bound, result)
-        await _rebind(session, chat, bound, text, result)
-        message = {"role": "assistant", "content": text}
-        if result.tool_calls:
-            message = {"role": "assistant", "content": text or None, "tool_calls": _openai_calls(result.tool_calls)}
-        choice = {"index": 0, "message": message, "finish_reason": FINISH[str(result.stop_reason)]}
-        if chat.logprobs:
-            choice["logprobs"] = {"content": [_logprob(lp) for chunk in chunks for lp in chunk.logprobs]}
-        body = {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": chat.model,
-            "choices": [choice],
-            "usage": usage,
-        }
-        return JSONResponse(body, headers=headers)
-    except HTTPError as exc:
-        return _error(exc)
-    except errors.KvmuxError as exc:
-        return _error(_from_kvmux(exc))
+@answered
+async def chat_completions(gateway: Gateway, request: Request) -> Response:
+    body = await json_body(request)
+    chat = _parse(body)
+    session, bound, new = await _session(gateway, request, chat)
+    stream = session.generate(messages=_protocol_messages(new), **chat.options)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    headers = {SESSION_HEADER: session.id}
+    if chat.stream:
+        first = await _first(stream)  # errors before the first token are still HTTP errors
+        events = _events(chat, session, bound, stream, first, completion_id, created)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    chunks = [chunk async for chunk in stream]
+    result = stream.result
+    text = _content("".join(chunk.text for chunk in chunks), result)
+    usage = _usage(bound, result)
+    await _rebind(session, chat, bound, text, result)
+    message = {"role": "assistant", "content": text}
+    if result.tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": _openai_calls(result.tool_calls)}
+    choice = {"index": 0, "message": message, "finish_reason": FINISH[str(result.stop_reason)]}
+    if chat.logprobs:
+        choice["logprobs"] = {"content": [_logprob(lp) for chunk in chunks for lp in chunk.logprobs]}
+    body = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": chat.model,
+        "choices": [choice],
+        "usage": usage,
+    }
+    return JSONResponse(body, headers=headers)
 
 
 async def chunks(first: p.Chunk | None, stream) -> AsyncIterator[p.Chunk]:
@@ -470,15 +488,9 @@ async def _events(chat, session, bound, stream, first, completion_id, created) -
         await stream.aclose()
 
 
-async def models(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    try:
-        _check_key(gateway, request)
-        stats = await gateway.client.stats()
-    except HTTPError as exc:
-        return _error(exc)
-    except errors.KvmuxError as exc:
-        return _error(_from_kvmux(exc))
+@answered
+async def models(gateway: Gateway, request: Request) -> Response:
+    stats = await gateway.client.stats()
     names = sorted({w.model for w in stats.workers})
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvmux"} for name in names]
     return JSONResponse({"object": "list", "data": data})

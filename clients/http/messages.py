@@ -33,15 +33,17 @@ from .app import (
     _usage,
     chunks,
     json_body,
+    speculative,
 )
 from .page import _own
 
-# Fields read; metadata (an identifier) and cache_control (a caching hint,
-# anywhere: all that a live session holds is cached) are taken and ignored.
+# Fields read (speculative: kvmux's extension, as on chat completions);
+# metadata (an identifier) and cache_control (a caching hint, anywhere: all
+# that a live session holds is cached) are taken and ignored.
 # Any other is refused by name.
 FIELDS = {
     "model", "max_tokens", "system", "messages", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-    "tools", "tool_choice", "metadata", "cache_control",
+    "tools", "tool_choice", "metadata", "cache_control", "speculative",
 }  # fmt: skip
 # Content blocks: the role that may send each, and its keys beside type and cache_control.
 BLOCKS = {
@@ -210,7 +212,7 @@ def _request(body: object) -> ChatRequest:
     return ChatRequest(
         messages=messages,
         stream=bool(body.get("stream", False)),
-        options={**options, **tool_options},
+        options={**options, **tool_options, **speculative(body)},
         include_usage=False,  # usage is always sent
         model=str(body.get("model") or "kvmux"),
         tools=tools,

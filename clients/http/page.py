@@ -23,7 +23,7 @@ from kvmux import logs
 from kvmux import protocol as p
 from kvmux.client import errors
 
-from .app import SESSION_HEADER, Gateway, HTTPError, _check_key, _error, _from_kvmux, _owner
+from .app import SESSION_HEADER, Gateway, HTTPError, _check_key, _error, _from_kvmux, _owner, answered
 
 STATIC = Path(__file__).parent / "static"
 WINDOW_S = 600.0  # how far back the dashboard's plots go
@@ -159,17 +159,10 @@ def _plain(value: object) -> object:
 def _answer(handler):
     """A JSON endpoint behind the gateway's API keys, with its error shape."""
 
-    async def endpoint(request: Request) -> Response:
-        gateway: Gateway = request.app.state.gateway
-        try:
-            _check_key(gateway, request)
-            return JSONResponse(await handler(gateway, request))
-        except HTTPError as exc:
-            return _error(exc)
-        except errors.KvmuxError as exc:
-            return _error(_from_kvmux(exc))
+    async def endpoint(gateway: Gateway, request: Request) -> Response:
+        return JSONResponse(await handler(gateway, request))
 
-    return endpoint
+    return answered(endpoint)
 
 
 async def sessions(gateway: Gateway, request: Request) -> dict:

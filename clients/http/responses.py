@@ -42,9 +42,7 @@ from .app import (
     Gateway,
     HTTPError,
     _bad,
-    _check_key,
     _content,
-    _error,
     _first,
     _from_kvmux,
     _message,
@@ -52,8 +50,10 @@ from .app import (
     _owner,
     _protocol_messages,
     _tools,
+    answered,
     chunks,
     json_body,
+    speculative,
 )
 from .page import _own
 
@@ -65,6 +65,7 @@ _ID = re.compile(r"^resp_([0-9a-f]{32})[0-9a-f]{16}$")
 FIELDS = {
     "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
     "temperature", "top_p", "text", "tools", "tool_choice", "parallel_tool_calls", "metadata", "user",
+    "speculative",
 }  # fmt: skip
 NEUTRAL = {"truncation": ("disabled",), "background": (False,), "include": ([],), "reasoning": ({},)}
 ITEMS = ("message", "function_call", "function_call_output")
@@ -171,7 +172,7 @@ def _parse(body: object) -> ResponseRequest:
         {**body, "max_tokens": body.get("max_output_tokens")}, {"max_tokens": int, "temperature": float, "top_p": float}
     )
     tools, tool_options = _tools(_function_tools(body))
-    options.update(tool_options)
+    options.update(tool_options, **speculative(body))
     fmt = _format(body.get("text"))
     if fmt is not None:
         options["format"] = fmt
@@ -361,32 +362,26 @@ def _output(text: str, result: p.GenerateResult) -> list[dict]:
 # ------------------------------------------------------------------ routes
 
 
-async def create(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    try:
-        _check_key(gateway, request)
-        body = await json_body(request)
-        req = _parse(body)
-        context = _context(req, _owner(gateway, request))
-        placed = await _place(gateway, request, req, context)
-        stream = placed.session.generate(messages=_protocol_messages(req.chat.messages), **req.chat.options)
-        response_id = f"resp_{placed.session.id}{uuid.uuid4().hex[:16]}"
-        created = int(time.time())
-        headers = {SESSION_HEADER: placed.session.id}
-        if req.chat.stream:
-            first = await _first(stream)  # errors before the first token are still HTTP errors
-            events = _events(placed, req, context, stream, first, response_id, created)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        parts = [chunk.text async for chunk in stream]
-        result = stream.result
-        output = _output(_content("".join(parts), result), result)
-        response = _response(response_id, created, req, output=output, result=result, held=placed.held)
-        await _keep(placed, req, context, response, result)
-        return JSONResponse(response, headers=headers)
-    except HTTPError as exc:
-        return _error(exc)
-    except errors.KvmuxError as exc:
-        return _error(_from_kvmux(exc))
+@answered
+async def create(gateway: Gateway, request: Request) -> Response:
+    body = await json_body(request)
+    req = _parse(body)
+    context = _context(req, _owner(gateway, request))
+    placed = await _place(gateway, request, req, context)
+    stream = placed.session.generate(messages=_protocol_messages(req.chat.messages), **req.chat.options)
+    response_id = f"resp_{placed.session.id}{uuid.uuid4().hex[:16]}"
+    created = int(time.time())
+    headers = {SESSION_HEADER: placed.session.id}
+    if req.chat.stream:
+        first = await _first(stream)  # errors before the first token are still HTTP errors
+        events = _events(placed, req, context, stream, first, response_id, created)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    parts = [chunk.text async for chunk in stream]
+    result = stream.result
+    output = _output(_content("".join(parts), result), result)
+    response = _response(response_id, created, req, output=output, result=result, held=placed.held)
+    await _keep(placed, req, context, response, result)
+    return JSONResponse(response, headers=headers)
 
 
 async def _events(placed: Placed, req, context, stream, first, response_id: str, created: int) -> AsyncIterator[str]:
@@ -467,35 +462,23 @@ async def _events(placed: Placed, req, context, stream, first, response_id: str,
         await stream.aclose()
 
 
-async def retrieve(request: Request) -> Response:
+@answered
+async def retrieve(gateway: Gateway, request: Request) -> Response:
     """GET a stored response; DELETE forgets it (and its session, once no
     response of it is left)."""
-    gateway: Gateway = request.app.state.gateway
     response_id = request.path_params["response_id"]
-    try:
-        _check_key(gateway, request)
-        stored = await _stored(gateway, request, response_id)
-        if request.method == "GET":
-            return JSONResponse(stored.note["response"])
-        if (await stored.session.mark({}, drop=[response_id])).marks == 0:
-            await stored.session.close()
-        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-    except HTTPError as exc:
-        return _error(exc)
-    except errors.KvmuxError as exc:
-        return _error(_from_kvmux(exc))
+    stored = await _stored(gateway, request, response_id)
+    if request.method == "GET":
+        return JSONResponse(stored.note["response"])
+    if (await stored.session.mark({}, drop=[response_id])).marks == 0:
+        await stored.session.close()
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-async def input_items(request: Request) -> Response:
+@answered
+async def input_items(gateway: Gateway, request: Request) -> Response:
     """The input items of a stored response, as the request gave them."""
-    gateway: Gateway = request.app.state.gateway
-    try:
-        _check_key(gateway, request)
-        note = (await _stored(gateway, request, request.path_params["response_id"])).note
-    except HTTPError as exc:
-        return _error(exc)
-    except errors.KvmuxError as exc:
-        return _error(_from_kvmux(exc))
+    note = (await _stored(gateway, request, request.path_params["response_id"])).note
     data = [item for message in note["input"] for item in _items(message)]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return JSONResponse({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": False})
