@@ -38,6 +38,7 @@ class Pending:
     session_id: str = ""  # a hibernated session's ("" for an OPEN)
     env_raw: bytes = b""  # its request's envelope, forwarded untouched
     store: str | None = None  # the store its record is in: only workers reading it may restore it
+    prefer: WorkerEntry | None = None  # a fork's: the worker holding its session, when it has a slab
 
     @property
     def is_open(self) -> bool:
@@ -99,7 +100,7 @@ class Admission:
                 return refusal
         else:
             admission, wait = self.cfg.admission, self.cfg.queue_wait_s
-        worker = registry.place(pending.store)
+        worker = registry.place(pending.store, pending.prefer)
         if worker is not None and not self.queue:  # never jump the queue
             return worker
         if not registry.workers and workers_starting:
@@ -144,7 +145,7 @@ class Admission:
         """Pop the queue's head if a slab is free for it."""
         if not self.queue:
             return None
-        worker = registry.place(self.queue[0].store)
+        worker = registry.place(self.queue[0].store, self.queue[0].prefer)
         if worker is None:
             return None
         pending = self.queue.popleft()

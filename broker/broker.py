@@ -336,7 +336,13 @@ class Broker:
         # the worker keeps it in the session's record.
         owner = frame.key or request.client_name or route.hex()
         body = encode(msgspec.structs.replace(request, client_name=owner))
-        self.place(Pending(route, request_id, body, owner, frame.now, frame.now), request, frame.now)
+        pending = Pending(route, request_id, body, owner, frame.now, frame.now)
+        if request.fork is not None:  # on a worker that reads its session's record, its own when it has a slab
+            source = self.registry.sessions.get(request.fork.session_id)
+            if source is None or source.ending is not None or not frame.owns(source):
+                raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {request.fork.session_id} to fork")
+            pending.store, pending.prefer = source.store, source.worker
+        self.place(pending, request, frame.now)
 
     def place(self, pending: Pending, request, now: float) -> None:
         """An OPEN, or a call on a hibernated session: onto a worker's free

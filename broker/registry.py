@@ -170,12 +170,14 @@ class Registry:
                 self.drop_session(session.session_id, ErrorCode.WORKER_LOST, lost_why)
         return lost
 
-    def place(self, store: str | None = None) -> WorkerEntry | None:
-        """The worker with the most free slabs that takes sessions (and
-        reads `store`, for a restore)."""
+    def place(self, store: str | None = None, prefer: WorkerEntry | None = None) -> WorkerEntry | None:
+        """`prefer` if it can take it, else the worker with the most free
+        slabs that takes sessions (and reads `store`, for a restore)."""
         candidates = [
             w for w in self.workers.values() if not w.draining and w.free_slabs > 0 and store in (None, w.ready.store)
         ]
+        if prefer in candidates:
+            return prefer
         return max(candidates, key=lambda w: w.free_slabs, default=None)
 
     def reader(self, store: str) -> WorkerEntry | None:

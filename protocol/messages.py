@@ -111,6 +111,16 @@ class Sampling(_Body):
     logprobs: int | None = None  # each token's log-probability, and this many most likely (0..20)
 
 
+class Fork(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """OpenSession.fork: open a copy of the caller's session `session_id`,
+    taken back to the end of the turn where its conversation held `messages`
+    messages (None: as it is now). The copy shares nothing with the original
+    afterwards; its slab is the original's, so nothing is prefilled again."""
+
+    session_id: str
+    messages: int | None = None
+
+
 class OpenSession(_Body):
     system: str | None = None
     tools: list[Tool] = []  # functions the model may call, rendered by its chat template
@@ -124,6 +134,9 @@ class OpenSession(_Body):
     admission: str | None = None
     queue_wait_s: float | None = None
     client_name: str | None = None
+    # A copy of an existing session (its system prompt, tools, template
+    # options, window and sampling defaults; the fields above are then unset).
+    fork: Fork | None = None
 
 
 class Append(_Body):

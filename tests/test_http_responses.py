@@ -71,8 +71,9 @@ def test_a_chain_prefills_only_its_input_and_branches_from_an_older_response(bas
 
     brief = {"instructions": "Be brief."}
     branch, branch_session = create(client, input="Name a planet.", previous_response_id=responses[1].id, **brief)
-    assert branch_session not in sessions and branch.output_text  # a new session, from the chain's conversation
-    assert branch.usage.input_tokens_details.cached_tokens == 0 and prefilled(branch) > 30  # says what it reused
+    assert branch_session not in sessions and branch.output_text  # a copy of the chain's session at response 2
+    reused = branch.usage.input_tokens_details.cached_tokens
+    assert held(responses[1]) - 3 <= reused <= held(responses[1]) and prefilled(branch) < 30  # says what it reused
     on, session = create(client, input="And a star?", previous_response_id=branch.id, **brief)
     assert session == branch_session and prefilled(on) < 30
     mainline, session = create(client, input="And a river?", previous_response_id=responses[-1].id, **brief)

@@ -46,6 +46,7 @@ def test_every_frame_type_has_vectors():
         "ToolCall",
         "Tool",
         "NamedTool",
+        "Fork",
         "Format",
         "TokenLogprob",
         "Logprobs",

@@ -17,8 +17,17 @@ from .tool_calls import template_tools
 
 
 def restore(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveSession, int]:
-    """The session rebuilt, and how many tokens were run again; raises
-    ProtocolError (session_not_found, session_corrupt)."""
+    """The session rebuilt and placed here (its epoch claimed: writes of
+    an older placement are refused from now on), and how many tokens were
+    run again; raises ProtocolError (session_not_found, session_corrupt)."""
+    session, replayed = rebuild(store, engine, session_id)
+    session.epoch = store.claim(session_id)
+    return session, replayed
+
+
+def rebuild(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveSession, int]:
+    """The session as its record and snapshot hold it, not placed (a fork
+    reads a session another worker may hold)."""
     record = restorable(store, session_id, engine.loaded.model_id)
     slab = engine.make_slab(record.sink, record.window)
     logits = None
@@ -29,7 +38,6 @@ def restore(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveS
             raise ProtocolError(ErrorCode.SESSION_CORRUPT, f"session {session_id} is corrupt: {exc}") from None
     session = LiveSession(
         **state_fields(record),
-        epoch=store.claim(session_id),
         slab=slab,
         logits=logits,
         conversation=Conversation(

@@ -14,12 +14,26 @@ of points past the turn (Mark) are forgotten.
 
 from __future__ import annotations
 
+from kvmux.protocol import ErrorCode, ProtocolError
 from kvmux.sessions import SessionStore, Turn
 from kvmux.sessions.durable import unmark_past
 
 from .engine import Engine, LiveSession
 from .lookup import Lookup
 from .slab import rewind as take_back
+
+
+def turn_at(session: LiveSession, messages: int) -> Turn:
+    """The turn that ended where the conversation held `messages` messages;
+    raises invalid_argument (naming where the last turns end) if none did."""
+    turn = next((t for t in reversed(session.turns) if t.messages == messages), None)
+    if turn is None:
+        ends = ", ".join(str(t.messages) for t in session.turns[-8:]) or "none yet"
+        raise ProtocolError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"no turn of this session ends after {messages} messages (turns end after: {ends})",
+        )
+    return turn
 
 
 def rewind_to(engine: Engine, store: SessionStore, session: LiveSession, turn: Turn) -> bool:

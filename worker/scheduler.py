@@ -20,12 +20,15 @@ from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
 from kvmux.sessions import Fenced, SessionStore, StoreError, Turn, durable
 
-from . import control, restore
+from . import control, fork, restore
 from .engine import PREFILL_CHUNK, Engine, GenerationEnd, LiveSession, NewToken, Step
 from .pace import Pace
-from .rewind import rewind_to
+from .rewind import rewind_to, turn_at
 from .slab import SlabPool
 from .tool_calls import ToolCallStream, message_dict
+
+# OpenSession fields a fork takes from its session instead.
+_FORK_TAKES = ("system", "tools", "chat_template_kwargs", "sink", "window", "sampling")
 
 log = logs.get("worker.scheduler")
 
@@ -334,15 +337,18 @@ class Scheduler:
         if not self.pool.take():
             raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
         try:
-            session = self.engine.new_session(
-                env.session_id,
-                body.sink,
-                body.window,
-                body.system,
-                body.sampling,
-                body.chat_template_kwargs,
-                body.tools,
-            )
+            if body.fork is not None:
+                session = self.open_fork(env.session_id, body)
+            else:
+                session = self.engine.new_session(
+                    env.session_id,
+                    body.sink,
+                    body.window,
+                    body.system,
+                    body.sampling,
+                    body.chat_template_kwargs,
+                    body.tools,
+                )
         except BaseException:
             self.pool.give_back()
             raise
@@ -350,7 +356,7 @@ class Scheduler:
         self.sessions[session.session_id] = session
         try:
             session.epoch = self.store.claim(session.session_id)
-            self.save(session)
+            self.save(session, snapshot=body.fork is not None)  # a fork's slab is in no file of its own yet
         except BaseException:
             self.drop(session)
             raise
@@ -369,6 +375,19 @@ class Scheduler:
                 slab_bytes=self.engine.slab_bytes(session.sink, session.window),
             ),
         )
+
+    def open_fork(self, session_id: str, body: p.OpenSession) -> LiveSession:
+        """A copy of the fork's session (worker/fork.py), whose settings it takes."""
+        given = [name for name in _FORK_TAKES if getattr(body, name) not in (None, [], {})]
+        if given:
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT, f"a fork takes its session's settings: {', '.join(given)} may not be set"
+            )
+        if body.fork.session_id in self.jobs:
+            raise ProtocolError(ErrorCode.BUSY, f"session {body.fork.session_id} is running a request: fork it after")
+        session = fork.fork(self.engine, self.store, self.sessions, session_id, body.fork)
+        log.info("session_forked", session=session_id, source=body.fork.session_id, kept=len(session.history))
+        return session
 
     def ensure_idle(self, session: LiveSession) -> None:
         """Refuse a new append/generate before it changes anything."""
@@ -560,13 +579,7 @@ class Scheduler:
 
     def rewind(self, route: bytes, env: p.Envelope, body: p.Rewind, session: LiveSession) -> None:
         self.ensure_idle(session)
-        turn = next((t for t in reversed(session.turns) if t.messages == body.messages), None)
-        if turn is None:
-            ends = ", ".join(str(t.messages) for t in session.turns[-8:]) or "none yet"
-            raise ProtocolError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"no turn of this session ends after {body.messages} messages (turns end after: {ends})",
-            )
+        turn = turn_at(session, body.messages)
         stale = rewind_to(self.engine, self.store, session, turn)
         self.save(session, snapshot=stale)
         log.info("session_rewound", session=session.session_id, messages=turn.messages, kept=len(session.history))

@@ -10,10 +10,13 @@ input and the id it continued, in the session's record: so a chain
 gateway, the daemon and the worker, with no state in the gateway.
 
 Continuing the newest response of a session appends to it. Continuing an
-older one (a branch), or with other instructions or tools than the session
-was opened with, opens a new session and prefills the chain's conversation
-(read back from the responses' notes) before the input; usage says what was
-reused (input_tokens_details.cached_tokens) either way.
+older one (a branch) opens a copy of the session taken back to that
+response (OpenSession.fork): the copy starts from the session's slab, so
+only the input is prefilled. With other instructions or tools than the
+session was opened with (or where a copy cannot be made: the session busy,
+no slab free), a new session prefills the chain's conversation, read back
+from the responses' notes, before the input. Usage says what was reused
+(input_tokens_details.cached_tokens) either way.
 """
 
 from __future__ import annotations
@@ -270,15 +273,24 @@ class Placed:
 async def _place(gateway: Gateway, request: Request, req: ResponseRequest, context: str) -> Placed:
     """The session the response goes into; `req.chat.messages` become what
     it still needs: the input, after the chain's conversation in a new one."""
+    owner = _owner(gateway, request)
     if req.previous is not None:
         stored = await _stored(gateway, request, req.previous)
         info = stored.info
-        if stored.note["context"] == context and stored.at == info.messages and not info.busy:
+        same = stored.note["context"] == context
+        if same and stored.at == info.messages and not info.busy:
             return Placed(stored.session, info.history_tokens - info.pending_tokens, opened=False)
-        req.chat.messages = [*await _conversation(gateway, request, req.previous), *req.input]  # a branch
-    session = await gateway.client.open_session(
-        req.instructions, client_name=_owner(gateway, request), tools=req.chat.tools
-    )
+        if same:  # a branch: a copy of the session taken back to the response
+            try:
+                fork = p.Fork(session_id=stored.session.id, messages=stored.at)
+                session = await gateway.client.open_session(None, client_name=owner, fork=fork)
+                session.detach()
+                forked = await session.info()
+                return Placed(session, forked.history_tokens - forked.pending_tokens, opened=True)
+            except (errors.Busy, errors.Overloaded) as exc:  # running, or no slab for a copy: prefilled anew
+                log.info("response_branch_prefilled", response=req.previous, why=str(exc))
+        req.chat.messages = [*await _conversation(gateway, request, req.previous), *req.input]
+    session = await gateway.client.open_session(req.instructions, client_name=owner, tools=req.chat.tools)
     session.detach()
     return Placed(session, 0, opened=True)
 

@@ -86,6 +86,14 @@ class AsyncSession(core.SessionCore):
         next generate prefills only `Rewound.pending_tokens` and the new messages."""
         return await self._link.run(self._rewind(messages, timeout))
 
+    async def fork(self, messages: int | None = None, *, timeout: float | None = None, **options: Any) -> AsyncSession:
+        """A new session: a copy of this one taken back to the end of the
+        turn where its conversation held `messages` messages (None: as it is
+        now), sharing nothing with it afterwards. A branch of the
+        conversation that prefills nothing again: the copy starts from this
+        session's slab. Options: admission, queue_wait_s, client_name."""
+        return await self._link.run(self._fork(messages, timeout, options))
+
     async def mark(
         self,
         marks: dict[str, int],

@@ -269,6 +269,11 @@ class SessionCore:
         yield from self._settle()
         return (yield from self._link.ask(p.Op.REWIND, self.id, p.Rewind(messages=messages), timeout))
 
+    def _fork(self, messages: int | None, timeout: float | None, options: dict) -> Steps:
+        yield from self._settle()
+        fork = p.Fork(session_id=self.id, messages=messages)
+        return (yield from self.client._open(None, timeout, {**options, "fork": fork}))
+
     def _mark(self, marks: dict[str, int], notes: dict[str, str] | None, drop, from_end: bool, timeout) -> Steps:
         yield from self._settle()
         body = p.Mark(marks=dict(marks), notes=dict(notes or {}), drop=list(drop), from_end=from_end)

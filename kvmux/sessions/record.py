@@ -82,10 +82,10 @@ class SessionRecord(SessionState, kw_only=True):
 
 
 def state_fields(state: SessionState) -> dict[str, Any]:
-    """`state`'s SessionState fields by name (lists copied): what a record
-    takes from a live session and a restored session from its record."""
+    """`state`'s SessionState fields by name (lists and maps copied): what a
+    record takes from a live session and a restored session from its record."""
     fields = {name: getattr(state, name) for name in SessionState.__struct_fields__}
-    return {name: list(value) if isinstance(value, list) else value for name, value in fields.items()}
+    return {name: type(value)(value) if isinstance(value, (list, dict)) else value for name, value in fields.items()}
 
 
 # What the broker reads of every record (msgspec skips the rest unread),

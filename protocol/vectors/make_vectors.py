@@ -41,6 +41,7 @@ SCHEMAS: dict[str, type] = {
     "Tool": p.Tool,
     "NamedTool": p.NamedTool,
     "Format": p.Format,
+    "Fork": p.Fork,
     "TokenLogprob": p.TokenLogprob,
     "Logprobs": p.Logprobs,
     "ToolCallDelta": p.ToolCallDelta,
@@ -125,6 +126,7 @@ CASES: list[tuple[str, Any]] = [
         ),
     ),
     ("open_sampling_empty", p.OpenSession(sampling=p.Sampling())),
+    ("open_fork", p.OpenSession(fork=p.Fork(session_id="0123456789abcdef0123456789abcdef", messages=3))),
     (
         "open_chat_template_kwargs",
         p.OpenSession(

@@ -167,13 +167,13 @@ export class Client {
 
   async openSession(options: OpenOptions = {}): Promise<Session> {
     checkOptions(options, OPEN_KEYS, "openSession");
-    const { system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName } = options;
+    const { system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork } = options;
     if (chatTemplateKwargs !== undefined && (chatTemplateKwargs === null || typeof chatTemplateKwargs !== "object" || Array.isArray(chatTemplateKwargs))) {
       throw new InvalidArgument("chatTemplateKwargs must be an object: template variable -> value");
     }
     const sampling = { ...options.sampling, ...pickSampling(options) };
     const body = {
-      system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName,
+      system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork,
       sampling: Object.keys(sampling).length ? sampling : undefined,
     };
     // A queued open may legitimately wait queueWaitS before its answer.
@@ -379,6 +379,15 @@ export class Session {
   /** Cancel the running append/generate; the stream ends with stopReason "cancelled". */
   cancel(options: CallOptions = {}): Promise<Ack> {
     return this.client.call(Op.CANCEL, this.id, "Cancel", {}, options.timeoutMs);
+  }
+
+  /** A new session: a copy of this one taken back to the end of the turn where
+   * its conversation held `messages` messages (undefined: as it is now),
+   * sharing nothing with it afterwards. A branch that prefills nothing again:
+   * the copy starts from this session's slab. */
+  async fork(messages?: number, options: Pick<OpenOptions, "admission" | "queueWaitS" | "clientName" | "timeoutMs"> = {}): Promise<Session> {
+    await this.settle();
+    return this.client.openSession({ ...options, fork: { sessionId: this.id, messages } });
   }
 
   /** Name points of the conversation: `marks` maps a name to the message count

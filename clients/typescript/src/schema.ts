@@ -60,6 +60,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["admission", "str", null],
     ["queue_wait_s", "float", null],
     ["client_name", "str", null],
+    ["fork", {"struct": "Fork"}, null],
   ]},
   "Append": {"tag": null, "array": false, "fields": [
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
@@ -182,6 +183,10 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["type", "str"],
     ["schema", {"map": "any"}, null],
     ["grammar", "str", null],
+  ]},
+  "Fork": {"tag": null, "array": false, "fields": [
+    ["session_id", "str"],
+    ["messages", "int", null],
   ]},
   "TokenLogprob": {"tag": null, "array": true, "fields": [
     ["token", "int"],
@@ -387,6 +392,7 @@ export interface OpenSession {
   admission?: string;
   queueWaitS?: number;
   clientName?: string;
+  fork?: Fork;
 }
 
 export interface Append {
@@ -534,6 +540,11 @@ export interface Format {
   type: string;
   schema?: Record<string, unknown>;
   grammar?: string;
+}
+
+export interface Fork {
+  sessionId: string;
+  messages?: number;
 }
 
 export type TokenLogprob = [token: number, logprob: number, text: string];

@@ -204,4 +204,19 @@ describe("tools, structured output and logprobs on a real stack", { skip: endpoi
     await assert.rejects(session.mark({}, { note: {} } as never), /unknown option "note"/);
     await session.close();
   });
+  test("fork: a copy taken back to an earlier turn, prefilling nothing again", async () => {
+    const session = await client.openSession({ temperature: 0, maxTokens: 4 });
+    await collect(session.chat("Name a colour."));
+    await collect(session.chat("Name a fruit."));
+    const branch = await session.fork(2);
+    assert.notEqual(branch.id, session.id);
+    assert.equal((await branch.info()).messages, 2);
+    assert.equal((await session.info()).messages, 4);
+    const stream = branch.chat("Name a city.");
+    await collect(stream);
+    assert.ok((stream.result?.promptTokens ?? 99) < 20, JSON.stringify(stream.result));
+    await assert.rejects(session.fork(5), (err: Error) => err instanceof InvalidArgument && /no turn/.test(err.message));
+    await branch.close();
+    await session.close();
+  });
 });
