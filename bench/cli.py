@@ -423,6 +423,27 @@ def clients(
 
 
 @bench_app.command()
+def group(
+    ranks: int = typer.Option(2, help="Processes the group's worker is made of (--pipeline)."),
+    sessions: str = typer.Option("1,8", help="Sessions decoding at once, per phase, comma-separated."),
+    tokens: int = typer.Option(32, help="Tokens each session generates per block."),
+    blocks: int = typer.Option(3, help="Blocks per phase, alternating group and one process."),
+    output: Path = typer.Option(Path("group.json"), help="Report path."),
+) -> None:
+    """A worker group against one process, side by side: tokens/s, per-token latency, bytes between ranks per token."""
+    from kvmux import logs
+
+    from .group import GroupConfig, run
+
+    counts = tuple(int(n) for n in sessions.split(",") if n.strip())
+    logs.configure()
+    cfg = GroupConfig(ranks=ranks, sessions=counts, tokens=tokens, blocks=blocks, slabs=max(counts))
+    doc = run(cfg, output)
+    typer.echo(json.dumps({"layout": doc["layout"], **doc["summary"]}, indent=1))
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
 def report(
     paths_: list[Path] = typer.Argument(..., metavar="REPORT...", help="Soak or perf report JSON files."),
     write: bool = typer.Option(False, "--write", help="Store the recomputed summary back into the report."),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,29 +125,39 @@ def stack_vs_bare(client: Client, loaded, prompt_ids: list[int], cfg: PerfConfig
     }
 
 
-def _sessions_tps(client: Client, n: int, cfg: PerfConfig) -> float:
-    """Aggregate generated tokens/s of `n` sessions decoding at once."""
-    sessions = [client.open_session(sink=cfg.sink, window=cfg.window) for _ in range(n)]
-    for s in sessions:  # prefill outside the clock: this times generation only
-        s.append([{"role": "user", "content": STORY}])
-    counts = [0] * n
+def at_once(n: int, run: Callable[[int], None]) -> float:
+    """Seconds `run(0)` .. `run(n - 1)` take, each on a thread of its own,
+    started together."""
     barrier = threading.Barrier(n + 1)
 
-    def run(i: int) -> None:
+    def start(i: int) -> None:
         barrier.wait()
-        stream = sessions[i].generate(max_tokens=cfg.session_tokens, speculative=PLAIN)
-        for _ in stream:
-            pass
-        counts[i] = stream.result.completion_tokens
+        run(i)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def _sessions_tps(client: Client, n: int, cfg: PerfConfig) -> float:
+    """Aggregate generated tokens/s of `n` sessions decoding at once."""
+    sessions = [client.open_session(sink=cfg.sink, window=cfg.window) for _ in range(n)]
+    for s in sessions:  # prefill outside the clock: this times generation only
+        s.append([{"role": "user", "content": STORY}])
+    counts = [0] * n
+
+    def run(i: int) -> None:
+        stream = sessions[i].generate(max_tokens=cfg.session_tokens, speculative=PLAIN)
+        for _ in stream:
+            pass
+        counts[i] = stream.result.completion_tokens
+
+    elapsed = at_once(n, run)
     for s in sessions:
         s.close()
     return sum(counts) / elapsed

@@ -546,7 +546,7 @@ class Broker:
         if env.op == Op.HEARTBEAT:
             beat = decode_body(Op.HEARTBEAT, body)
             worker.running, worker.draining = beat.running, beat.draining
-            worker.drafted, worker.accepted = beat.drafted, beat.accepted
+            worker.drafted, worker.accepted, worker.link_bytes = beat.drafted, beat.accepted, beat.link_bytes
         elif env.op == Op.DISCONNECT:
             self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
         elif env.op == Op.RESTORED:
@@ -817,6 +817,7 @@ class Broker:
                 last_seen_s=round(now - w.last_seen, 3),
                 drafted=w.drafted,
                 accepted=w.accepted,
+                link_bytes=w.link_bytes,
                 compute=w.ready.compute,
             )
             for w in reg.workers.values()

@@ -235,6 +235,7 @@ def format_stats(s) -> str:
         "FRAMES",
         "ACCEPTED",
         "PASSES",
+        "GROUP",
         "SEEN",
     )
     rows = [
@@ -250,6 +251,7 @@ def format_stats(s) -> str:
             str(w.frames_forwarded),
             f"{w.accepted}/{w.drafted} ({w.accepted / w.drafted:.0%})" if w.drafted else "-",
             format_compute(w.compute),
+            f"{w.compute.layout}, {_size(w.link_bytes)} between ranks" if w.compute and w.compute.layout else "-",
             f"{w.last_seen_s:.1f}s ago",
         )
         for w in s.workers

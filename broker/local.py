@@ -1,4 +1,8 @@
-"""The worker processes `kvmux serve --workers N` starts and supervises.
+"""The worker processes `kvmux serve --workers N` starts and supervises;
+with `--pipeline N` each worker is a group of N processes (ranks,
+worker/group.py) on this host, started with the environment mlx.launch
+gives the ring backend, and supervised as one: when any rank exits, the
+others are killed and the group counts one exit.
 
 A worker that exits abnormally is restarted with backoff: 1 s, doubling to
 60 s for each further crash within CRASH_WINDOW_S; its sessions wait in the
@@ -9,13 +13,17 @@ worker gets SIGTERM if the broker process dies, so none is left orphaned."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvmux import logs, settings
 from kvmux.worker.preload import openblas_path
@@ -40,12 +48,43 @@ def _die_with_parent() -> None:
 
 @dataclass
 class _Slot:
-    """One local worker: its process, and when it may be started again."""
+    """One local worker: its processes (rank 0 first), and when it may be
+    started again."""
 
     index: int
-    proc: subprocess.Popen | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    hostfile: str | None = None  # a group's ring hostfile
     restart_at: float | None = None
     crashes: deque[float] = field(default_factory=deque)
+
+    def exited(self) -> int | None:
+        """The worker's exit code once any of its processes has exited
+        (rank 0's where it has, else 1: a rank lost takes the group down);
+        the others are killed then. None while all run."""
+        codes = [proc.poll() for proc in self.procs]
+        if all(code is None for code in codes):
+            return None
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        if self.hostfile:
+            Path(self.hostfile).unlink(missing_ok=True)
+        return codes[0] if codes[0] is not None else 1
+
+
+def _ring_hosts(ranks: int) -> str:
+    """A hostfile for a ring of `ranks` on this host (as mlx.launch writes
+    one): free loopback ports, one per rank."""
+    ports = []
+    for _ in range(ranks):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    fd, path = tempfile.mkstemp(prefix="kvmux-ring-", suffix=".json")
+    with os.fdopen(fd, "w") as out:
+        json.dump([[f"127.0.0.1:{port}"] for port in ports], out)
+    return path
 
 
 class LocalWorkers:
@@ -70,7 +109,8 @@ class LocalWorkers:
         thread per core would oversubscribe the machine N times. OpenBLAS is
         preloaded here so the worker need not re-execute itself to get it."""
         env = dict(os.environ)
-        env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, self.cfg.workers))))
+        processes = max(1, self.cfg.workers) * self.cfg.pipeline
+        env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
         lib = openblas_path()
         if lib and not env.get("KVMUX_NO_OPENBLAS") and lib not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = " ".join(filter(None, [lib, env.get("LD_PRELOAD")]))
@@ -88,18 +128,25 @@ class LocalWorkers:
         # which then drains and stops the workers in order. preexec_fn only
         # calls prctl: no locks a thread could hold.
         cmd, env = self.command(slot.index), self.env()
-        slot.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        ranks = self.cfg.pipeline
+        if ranks > 1:
+            env["MLX_HOSTFILE"] = slot.hostfile = _ring_hosts(ranks)
+        slot.procs = []
+        for rank in range(ranks):
+            if ranks > 1:
+                env["MLX_RANK"] = str(rank)
+            slot.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent))  # noqa: PLW1509
         slot.restart_at = None
-        log.info("local_worker_started", index=slot.index, pid=slot.proc.pid)
+        log.info("local_worker_started", index=slot.index, pids=[proc.pid for proc in slot.procs])
 
     def check(self) -> bool:
         """Restart workers that exited, when their backoff allows; False once
         one has crashed too often (the daemon should exit)."""
         now = time.monotonic()
         for slot in self.slots:
-            if slot.proc is not None and slot.proc.poll() is not None and not self.stopping:
-                code = slot.proc.returncode
-                slot.proc = None
+            code = slot.exited() if slot.procs and not self.stopping else None
+            if code is not None:
+                slot.procs = []
                 if code == 0:  # it drained on its own (SIGTERM to it alone): not a crash
                     log.warning("local_worker_stopped", index=slot.index)
                     continue
@@ -118,18 +165,20 @@ class LocalWorkers:
                 delay = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (len(slot.crashes) - 1))
                 slot.restart_at = now + delay
                 log.error("local_worker_exited", index=slot.index, returncode=code, restart_in_s=delay)
-            if slot.proc is None and slot.restart_at is not None and now >= slot.restart_at:
+            if not slot.procs and slot.restart_at is not None and now >= slot.restart_at:
                 log.warning("local_worker_restart", index=slot.index, crashes=len(slot.crashes))
                 self._spawn(slot)
         return True
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM (workers drain and snapshot their sessions), then SIGKILL
-        whatever is left at the deadline."""
+        """SIGTERM (workers drain and snapshot their sessions; a group's rank
+        0 then stops its other ranks), then SIGKILL whatever is left at the
+        deadline."""
         self.stopping = True
-        alive = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
-        for proc in alive:
-            proc.terminate()
+        alive = [proc for s in self.slots for proc in s.procs if proc.poll() is None]
+        for slot in self.slots:
+            if slot.procs and slot.procs[0].poll() is None:
+                slot.procs[0].terminate()
         deadline = time.monotonic() + timeout_s
         for proc in alive:
             try:
@@ -138,3 +187,6 @@ class LocalWorkers:
                 log.warning("local_worker_killed", pid=proc.pid)
                 proc.kill()
                 proc.wait()
+        for slot in self.slots:
+            if slot.hostfile:
+                Path(slot.hostfile).unlink(missing_ok=True)

@@ -31,6 +31,7 @@ class WorkerEntry:
     draining: bool = False  # from its heartbeat: it takes no new sessions
     drafted: int = 0  # from its heartbeat: speculative tokens drafted and accepted
     accepted: int = 0
+    link_bytes: int = 0  # from its heartbeat: a worker group's traffic between its ranks
     frames_forwarded: int = 0
 
     @property

@@ -70,6 +70,13 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             ' and exactness").'
         ),
     ] = False
+    pipeline: Annotated[
+        AtLeastOne,
+        doc(
+            "Processes (ranks) one worker is made of, each holding a consecutive range of the model's layers"
+            " (mx.distributed's ring backend; `kvmux serve` starts them on this host, mlx.launch across hosts)."
+        ),
+    ] = 1
     state_dir: Annotated[
         str,
         doc(

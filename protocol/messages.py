@@ -247,6 +247,7 @@ class Compute(msgspec.Struct, kw_only=True, omit_defaults=True):
     rows_alone: bool = False  # rows depend on where they sit: invariance runs decode rows one at a time
     pad_cost: float = 1.0  # invariant passes' time over plain ones', measured at start (worker/padding.py)
     calibrate_s: float = 0.0  # seconds that calibration and measuring took at start
+    layout: str = ""  # a worker group's split of the model, e.g. "pipeline 2: layers 0-14 | 15-29" ("": one process)
 
 
 class StoredSession(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -290,6 +291,7 @@ class WorkerHeartbeat(_Body):
     draining: bool = False  # the worker takes no new sessions
     drafted: int = 0  # speculative decoding since the worker started: tokens drafted
     accepted: int = 0  # and of them accepted by the verifier
+    link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
 
 
 class Disconnect(_Body):
@@ -439,6 +441,7 @@ class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     last_seen_s: float
     drafted: int = 0  # speculative decoding since the worker started: tokens drafted
     accepted: int = 0  # of them, accepted by the verifier
+    link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
     compute: Compute | None = None
 
 

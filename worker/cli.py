@@ -29,7 +29,19 @@ def worker(**options: Any) -> None:
         raise typer.Exit(2) from None
     ensure_preloaded()
     logs.configure()
-    code = Worker(config).run()
+    group = None
+    if config.pipeline > 1:  # a worker group (worker/group.py): rank 0 is the worker, the others follow it
+        from kvmux.worker import group as worker_group
+
+        try:
+            group = worker_group.join(config.pipeline)
+        except ValueError as exc:
+            typer.echo(f"kvmux worker: {exc}", err=True)
+            raise typer.Exit(2) from None
+    if group is not None and group.rank() > 0:
+        code = worker_group.follower(config, group)
+    else:
+        code = Worker(config, group).run()
     if code:
         # Refused (2) or failed (1) at load, with torch and MLX just loaded:
         # their C++ teardown at exit then aborts now and then (SIGABRT, not

@@ -40,6 +40,7 @@ class Status(msgspec.Struct, array_like=True):
     draining: bool = False  # DRAIN was seen: `running` counts every job there will be
     drafted: int = 0  # speculative decoding, over the worker's life: tokens drafted
     accepted: int = 0  # and accepted
+    link_bytes: int = 0  # a worker group's rank 0: bytes sent to and received from its other ranks
 
 
 def encode_status(status: Status) -> bytes:

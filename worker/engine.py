@@ -219,6 +219,7 @@ class Engine:
             sampling=sampling,
             tools=tools,
             slab=self.make_slab(sink, window),
+            layout=str(self.loaded.layout),
             conversation=Conversation.open(self.tokenizer, system, chat_template_kwargs, tools, self.tool_format),
             draft=self.drafter.new_cache(sink, window) if self.drafter else None,
         )
@@ -518,8 +519,30 @@ class Engine:
     def forward_batch(self, steps: list[Step]) -> list[mx.array]:
         """The logits of each step's tokens (see `Step`), in one shared pass
         where the model allows it (lazy: computed when a session reads them)."""
+        if len(steps) > 1 and self.loaded.stages:
+            # A worker group: a pass per rank, in flight together, so that its stages overlap.
+            with self.loaded.stages.overlapped():
+                return [
+                    logits
+                    for batch in _split(steps, self.loaded.stages.layout.ranks)
+                    for logits in forward.forward(self.model, _segments(batch), self.floors)
+                ]
         if len(steps) > 1 and self.shared_passes:
-            return forward.forward(
-                self.model, [forward.Segment(s.tokens, s.session.slab, s.rows) for s in steps], self.floors
-            )
+            return forward.forward(self.model, _segments(steps), self.floors)
         return [self._forward(s.session, s.tokens, s.rows) for s in steps]
+
+
+def _segments(steps: list[Step]) -> list[forward.Segment]:
+    return [forward.Segment(s.tokens, s.session.slab, s.rows) for s in steps]
+
+
+def _split(steps: list[Step], parts: int) -> list[list[Step]]:
+    """`steps` in at most `parts` runs of about as many tokens each."""
+    total = sum(s.tokens.shape[0] for s in steps)
+    batches, done = [[]], 0
+    for step in steps:
+        if batches[-1] and done >= total * len(batches) / parts:
+            batches.append([])
+        batches[-1].append(step)
+        done += step.tokens.shape[0]
+    return batches

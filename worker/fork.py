@@ -16,8 +16,6 @@ from __future__ import annotations
 import copy
 import time
 
-import mlx.core as mx
-
 from kvmux.protocol import Fork
 from kvmux.sessions import SessionStore, state_fields
 
@@ -25,7 +23,6 @@ from .engine import Engine, LiveSession
 from .lookup import Lookup
 from .restore import rebuild
 from .rewind import rewind_to, turn_at
-from .slab import SlabCache
 
 
 def fork(engine: Engine, store: SessionStore, live: dict[str, LiveSession], session_id: str, body: Fork) -> LiveSession:
@@ -51,16 +48,9 @@ def _copy(engine: Engine, source: LiveSession) -> LiveSession:
     conversation.kwargs, conversation.tools = dict(conversation.kwargs), list(conversation.tools)
     return LiveSession(
         **state_fields(source),
-        slab=[_layer(layer) for layer in source.slab],
+        slab=engine.loaded.copy_slab(source.slab),
         conversation=conversation,
         logits=source.logits,
         lookup=Lookup(),  # it follows the history from here
         draft=engine.drafter.new_cache(source.sink, source.window) if engine.drafter else None,
     )
-
-
-def _layer(layer: SlabCache) -> SlabCache:
-    twin = copy.copy(layer)
-    if layer.keys is not None:
-        twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
-    return twin

@@ -51,7 +51,7 @@ class Segment:
     (decode rows: one token, or a verify pass's tokens) gives the logits
     after every token, else (a prefill chunk) after the last only."""
 
-    tokens: mx.array  # (n,) token ids
+    tokens: mx.array | None  # (n,) token ids (None on a worker group's later ranks: they get the residual stream)
     slab: list[SlabCache]
     rows: bool = False
 
@@ -192,24 +192,54 @@ def _plan(cache: SlabCache, segment: Segment, n: int):
 
 def forward(model: nn.Module, segments: list[Segment], floors: Floors) -> list[mx.array]:
     """Per segment, the logits (rows, vocab) after each of its tokens (decode
-    rows) or after its last (a prefill chunk); lazy."""
+    rows) or after its last (a prefill chunk); lazy. Slabs longer than the
+    model's layers end in layers another rank of a worker group holds
+    (worker/group.py): the pass goes on there, and its last rank sends back
+    the wanted rows."""
     lengths = [s.tokens.shape[0] for s in segments]
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    total = sum(lengths)
     tokens = mx.concatenate([s.tokens for s in segments]) if len(segments) > 1 else segments[0].tokens
-    h = _embed(model, tokens)
+    h = run_layers(model, _embed(model, tokens), segments, lengths, floors)
+    wanted = [
+        i
+        for start, n, s in zip(_starts(lengths), lengths, segments, strict=True)
+        for i in (range(start, start + n) if s.rows else [start + n - 1])
+    ]
+    held = len(model.model.layers)
+    if len(segments[0].slab) > held:
+        h = segments[0].slab[held].stages.run(h, segments, lengths, floors, wanted)
+    else:
+        h = h[:, mx.array(wanted)]
+    alone = [(i, i + 1) for i in range(len(wanted))] if floors.rows_alone else None
+    logits = _padded(partial(_head, model), model.model.norm(h), floors.head, alone)[0]
+    out, at = [], 0
+    for n, s in zip(lengths, segments, strict=True):
+        count = n if s.rows else 1
+        out.append(logits[at : at + count])
+        at += count
+    return out
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    return [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+def run_layers(model: nn.Module, h: mx.array, segments: list[Segment], lengths: list[int], floors: Floors) -> mx.array:
+    """The residual stream (1, tokens, hidden) through the layers this
+    process holds (`model.model.layers`, each segment's slab's first ones)."""
+    starts, total = _starts(lengths), sum(lengths)
+    layers = model.model.layers
     offsets = [segment.slab[0].offset for segment in segments]  # every layer's, before this pass
     positions = mx.array([offset + i for offset, n in zip(offsets, lengths, strict=True) for i in range(n)])
     # Masks depend on the slab's positions only: made once per kind of
     # layer cache (its sink and window), before any layer writes.
     plans: list[dict[tuple[int, int], object]] = [{} for _ in segments]
     for s, n, kinds in zip(segments, lengths, plans, strict=True):
-        for cache in s.slab:
+        for cache in s.slab[: len(layers)]:
             if (cache.keep, cache.max_size) not in kinds:
                 kinds[cache.keep, cache.max_size] = _plan(cache, s, n)
     gemma = _gemma(model)
     runs = _runs(segments, lengths) if floors.rows_alone else None
-    for index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         q = _padded(attn.q_proj, x, floors.q, runs).reshape(total, attn.n_heads, 1, -1)
@@ -229,16 +259,4 @@ def forward(model: nn.Module, segments: list[Segment], floors: Floors) -> list[m
         out = _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads), floors.o, runs)
         h = gemma3_text.clip_residual(h, layer.post_attention_layernorm(out)) if gemma else h + out
         h = _mlp(model, layer, h, floors, runs)
-    wanted = [
-        i
-        for start, n, s in zip(starts, lengths, segments, strict=True)
-        for i in (range(start, start + n) if s.rows else [start + n - 1])
-    ]
-    alone = [(i, i + 1) for i in range(len(wanted))] if floors.rows_alone else None
-    logits = _padded(partial(_head, model), model.model.norm(h[:, mx.array(wanted)]), floors.head, alone)[0]
-    out, at = [], 0
-    for n, s in zip(lengths, segments, strict=True):
-        count = n if s.rows else 1
-        out.append(logits[at : at + count])
-        at += count
-    return out
+    return h

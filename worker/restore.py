@@ -28,7 +28,8 @@ def restore(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveS
 def rebuild(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveSession, int]:
     """The session as its record and snapshot hold it, not placed (a fork
     reads a session another worker may hold)."""
-    record = restorable(store, session_id, engine.loaded.model_id)
+    layout = str(engine.loaded.layout)
+    record = restorable(store, session_id, engine.loaded.model_id, layout)
     slab = engine.make_slab(record.sink, record.window)
     logits = None
     if record.snapshot is not None:
@@ -47,6 +48,7 @@ def rebuild(store: SessionStore, engine: Engine, session_id: str) -> tuple[LiveS
         ),
         draft=engine.drafter.new_cache(record.sink, record.window) if engine.drafter else None,
     )
+    session.layout = layout  # the snapshots it writes from now on
     tail = record.history[record.snapshot_tokens :]
     at = 0
     for size in record.replay:

@@ -120,6 +120,7 @@ class Scheduler:
             self.draining,
             engine.drafted,
             engine.accepted,
+            engine.loaded.stages.link.bytes if engine.loaded.stages else 0,
         )
         if status != self.reported:
             self.pipe.send_multipart([control.STATUS, control.encode_status(status)])

@@ -71,8 +71,11 @@ class WorkerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, group=None):
+        """`group`: the mx.distributed group this worker is rank 0 of
+        (`--pipeline N`, worker/group.py), or None."""
         self.config = config
+        self.group = group
         self.id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.ctx = zmq.Context.instance()
         self.drain_requested = False  # set by SIGTERM/SIGINT
@@ -100,7 +103,8 @@ class Worker:
 
             from .drafter import check_tokenizers
             from .engine import PREFILL_CHUNK, Engine
-            from .model import load
+            from .group import GroupStore, Stages, check_supported
+            from .model import Part, load
             from .padding import compute_info
             from .scheduler import Scheduler
             from .slab import SlabPool
@@ -108,7 +112,12 @@ class Worker:
 
             # MLX streams belong to the thread that made them.
             mx.set_default_stream(mx.new_stream(mx.default_device()))
-            loaded = load(self.config.model, chat_template=self.config.chat_template)
+            part = Part(0, self.group.size()) if self.group else None
+            loaded = load(self.config.model, chat_template=self.config.chat_template, part=part)
+            if part is not None:
+                check_supported(loaded.model)
+                slot_bytes = loaded.kv_bytes_per_token // len(loaded.windows)
+                loaded.stages = Stages(self.group, part.layout, loaded.windows, slot_bytes)
             draft = None
             if self.config.draft_model:
                 draft = load(self.config.draft_model, keep_quantized=self.config.draft_quantized or None)
@@ -124,6 +133,8 @@ class Worker:
                 batch_invariant=self.config.batch_invariant,
             )
             store = open_store(self.config.store, self.config.state_dir)
+            if loaded.stages:
+                store = GroupStore(store, loaded.stages)
             scheduler = Scheduler(
                 engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe, store=store
             )
@@ -138,11 +149,13 @@ class Worker:
                 host=socket.gethostname(),
                 free_slabs=self.config.slabs,
                 store=store.store_id,
-                compute=compute_info(str(mx.default_device()), engine.padding),
+                compute=compute_info(str(mx.default_device()), engine.padding, str(loaded.layout)),
             )
             pipe.send_multipart([control.LOADED, p.encode(ready)])
             scheduler.run()
             scheduler.save_all()
+            if loaded.stages:
+                loaded.stages.stop()
         except (OSError, ValueError) as exc:  # a model that cannot be served: the config's to fix
             log.error("model_refused", error=str(exc))
             pipe.send_multipart([control.FAILED, control.REFUSED])
@@ -255,6 +268,7 @@ class Worker:
                 draining=draining,
                 drafted=status.drafted,
                 accepted=status.accepted,
+                link_bytes=status.link_bytes,
             ),
         )
         self.next_beat = time.monotonic() + self.config.heartbeat_s

@@ -3,6 +3,8 @@ forever plus the last `window`), and the fixed pool they come from."""
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
@@ -77,14 +79,21 @@ class SlabCache(RotatingKVCache):
         """Store new tokens in place, a contiguous run of slots at a time
         (mlx-lm's single-token update, generalised), growing the arrays as
         needed until the slab is full, then wrapping after the sink."""
-        total, done = keys.shape[2], 0
+        for slot, done, run in self._claim(keys.shape[2], keys):
+            self.keys[..., slot : slot + run, :] = keys[..., done : done + run, :]
+            self.values[..., slot : slot + run, :] = values[..., done : done + run, :]
+
+    def _claim(self, total: int, like: mx.array | None):
+        """The runs of slots `total` new tokens go to, as (slot, first token,
+        run): each run's slots reserved before it is yielded, the positions
+        advanced past it after."""
+        done = 0
         while done < total:
             if self._idx == self.max_size:
                 self._idx = self.keep
             run = min(total - done, self.max_size - self._idx)
-            self._reserve(self._idx + run, keys)
-            self.keys[..., self._idx : self._idx + run, :] = keys[..., done : done + run, :]
-            self.values[..., self._idx : self._idx + run, :] = values[..., done : done + run, :]
+            self._reserve(self._idx + run, like)
+            yield self._idx, done, run
             self._idx += run
             self.offset += run
             done += run
@@ -170,6 +179,17 @@ def rewind(slab: list[SlabCache], n: int) -> None:
     if n:
         for layer in slab:
             layer.rewind(n)
+
+
+def copy_slab(slab: list[SlabCache]) -> list[SlabCache]:
+    """A copy that shares no array with `slab` (a slab is updated in place)."""
+    twins = []
+    for layer in slab:
+        twin = copy.copy(layer)
+        if layer.keys is not None:
+            twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
+        twins.append(twin)
+    return twins
 
 
 def live_bytes(slab: list[SlabCache]) -> int:

@@ -98,13 +98,21 @@ def stored(store: SessionStore, session_id: str) -> SessionRecord:
     return record
 
 
-def restorable(store: SessionStore, session_id: str, model_id: str) -> SessionRecord:
-    """The record to restore a session from, checked; raises ProtocolError
+def restorable(store: SessionStore, session_id: str, model_id: str, layout: str = "") -> SessionRecord:
+    """The record to restore a session from, checked, on a worker whose
+    model is split as `layout` says; raises ProtocolError
     (session_not_found, session_corrupt)."""
     record = stored(store, session_id)
     if record.model != model_id:
         raise ProtocolError(
             ErrorCode.SESSION_CORRUPT, f"session {session_id} was made with {record.model}, this worker runs {model_id}"
+        )
+    if record.snapshot is not None and record.layout != layout:
+        raise ProtocolError(
+            ErrorCode.SESSION_CORRUPT,
+            f"session {session_id}'s slab snapshot was written by a worker of another layout"
+            f" ({record.layout or 'one process'}; this worker: {layout or 'one process'}):"
+            " a worker of that layout restores it",
         )
     tail = len(record.history) - record.snapshot_tokens
     if sum(record.replay) != tail or not (0 <= record.snapshot_tokens <= len(record.history)):

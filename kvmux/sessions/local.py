@@ -99,12 +99,12 @@ class LocalStore(SessionStore):
         except OSError as exc:
             raise StoreError(f"session {session_id}: unreadable record ({exc})") from None
 
-    def save_snapshot(self, session_id: str, slab: list, logits) -> tuple[str, int]:
+    def save_snapshot(self, session_id: str, slab: list, logits, name: str | None = None) -> tuple[str, int]:
         from . import snapshot  # MLX: only a worker writes snapshots
 
         folder = self.dir(session_id)
         folder.mkdir(exist_ok=True, mode=0o700)
-        name = snapshot.name()
+        name = name or snapshot.name()
         return name, snapshot.save(folder / name, slab, logits)
 
     def load_snapshot(self, session_id: str, name: str, slab: list):
@@ -113,8 +113,10 @@ class LocalStore(SessionStore):
         return snapshot.load(self.dir(session_id) / name, slab)
 
     def prune_snapshots(self, session_id: str, keep: str | None) -> None:
+        from . import snapshot
+
         for path in self.dir(session_id).glob(_SNAPSHOTS):
-            if path.name != keep:
+            if snapshot.whole(path.name) != keep:
                 path.unlink(missing_ok=True)
 
     def delete(self, session_id: str) -> None:

@@ -62,6 +62,7 @@ class SessionState(msgspec.Struct, kw_only=True):
     raw: bool = False  # the last append was raw token ids: generate continues them, no template
     snapshot: str | None = None  # slab snapshot holding the first `snapshot_tokens` of history
     snapshot_tokens: int = 0
+    layout: str = ""  # how the worker that wrote the snapshot split the model ("": one process; worker/group.py)
     replay: list[int] = []  # sizes of the chunks fed since the snapshot, in order
     turns: list[Turn] = []  # where each turn ended, oldest first (Rewind)
     marks: dict[str, int] = {}  # named points of the conversation: name -> messages (Mark)

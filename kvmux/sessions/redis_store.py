@@ -113,10 +113,10 @@ class RedisStore(SessionStore):
         with _reachable(self.store_id):
             return self.redis.hget(_key(session_id), "record")
 
-    def save_snapshot(self, session_id: str, slab: list, logits) -> tuple[str, int]:
+    def save_snapshot(self, session_id: str, slab: list, logits, name: str | None = None) -> tuple[str, int]:
         from . import snapshot  # MLX: only a worker writes snapshots
 
-        name, data = snapshot.to_bytes(slab, logits)
+        name, data = name or snapshot.name(), snapshot.to_bytes(slab, logits)
         pieces = {str(i): data[at : at + CHUNK] for i, at in enumerate(range(0, len(data), CHUNK))}
         with _reachable(self.store_id):
             pipe = self.redis.pipeline(transaction=False)
@@ -139,9 +139,11 @@ class RedisStore(SessionStore):
         return snapshot.from_bytes(data, name, slab)
 
     def prune_snapshots(self, session_id: str, keep: str | None) -> None:
+        from . import snapshot
+
         with _reachable(self.store_id):
             names = [n.decode() for n in self.redis.smembers(f"{_key(session_id)}:snaps")]
-            stale = [n for n in names if n != keep]
+            stale = [n for n in names if snapshot.whole(n) != keep]
             if stale:
                 pipe = self.redis.pipeline()
                 pipe.delete(*(f"{_key(session_id)}:snap:{n}" for n in stale))

@@ -22,10 +22,24 @@ import mlx.core as mx
 
 from .files import atomic_file
 
+_SUFFIX = ".safetensors"
+
 
 def name() -> str:
     """A new snapshot's name: later ones sort after earlier ones."""
-    return f"slab-{time.time_ns()}.safetensors"
+    return f"slab-{time.time_ns()}{_SUFFIX}"
+
+
+def part_name(name: str, rank: int) -> str:
+    """The name of a worker group rank's part of snapshot `name` (rank 0's
+    part is the snapshot itself)."""
+    return name if rank == 0 else f"{name.removesuffix(_SUFFIX)}-rank{rank}{_SUFFIX}"
+
+
+def whole(name: str) -> str:
+    """The snapshot a part belongs to (a snapshot's own name for itself)."""
+    stem, _, rank = name.removesuffix(_SUFFIX).rpartition("-rank")
+    return f"{stem}{_SUFFIX}" if stem and rank.isdigit() else name
 
 
 def save(path: Path, slab: list, logits: mx.array | None) -> int:
@@ -36,14 +50,14 @@ def save(path: Path, slab: list, logits: mx.array | None) -> int:
     return path.stat().st_size
 
 
-def to_bytes(slab: list, logits: mx.array | None) -> tuple[str, bytes]:
-    """A new snapshot's name and its file's bytes, for a store that is no
-    directory (MLX writes safetensors only to a path)."""
+def to_bytes(slab: list, logits: mx.array | None) -> bytes:
+    """A snapshot file's bytes, for a store that is no directory (MLX
+    writes safetensors only to a path)."""
     arrays, meta = _arrays(slab, logits)
     with tempfile.TemporaryDirectory(prefix="kvmux-snap-") as tmp:
         path = Path(tmp) / "slab.safetensors"
         mx.save_safetensors(str(path), arrays, meta)
-        return name(), path.read_bytes()
+        return path.read_bytes()
 
 
 def from_bytes(data: bytes, snapshot: str, slab: list) -> tuple[list, mx.array | None]:

@@ -76,9 +76,13 @@ class SessionStore(abc.ABC):
         when it cannot be read."""
 
     @abc.abstractmethod
-    def save_snapshot(self, session_id: str, slab: list, logits: mx.array | None) -> tuple[str, int]:
-        """Write a slab snapshot beside the record; returns its name (for the
-        record to point at) and size. Older ones stay until `prune_snapshots`."""
+    def save_snapshot(
+        self, session_id: str, slab: list, logits: mx.array | None, name: str | None = None
+    ) -> tuple[str, int]:
+        """Write a slab snapshot beside the record, under a new name or
+        `name` (a worker group rank's part: snapshot.part_name); returns its
+        name (for the record to point at) and size. Older ones stay until
+        `prune_snapshots`, which keeps the parts of the one it keeps."""
 
     @abc.abstractmethod
     def load_snapshot(self, session_id: str, name: str, slab: list) -> tuple[list, mx.array | None]:

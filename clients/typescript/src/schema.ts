@@ -137,6 +137,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["draining", "bool", false],
     ["drafted", "int", 0],
     ["accepted", "int", 0],
+    ["link_bytes", "int", 0],
   ]},
   "Disconnect": {"tag": null, "array": false, "fields": [
     ["reason", "str", ""],
@@ -219,6 +220,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["last_seen_s", "float"],
     ["drafted", "int", 0],
     ["accepted", "int", 0],
+    ["link_bytes", "int", 0],
     ["compute", {"struct": "Compute"}, null],
   ]},
   "SessionSummary": {"tag": null, "array": false, "fields": [
@@ -250,6 +252,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["rows_alone", "bool", false],
     ["pad_cost", "float", 1.0],
     ["calibrate_s", "float", 0.0],
+    ["layout", "str", ""],
   ]},
   "StoredSession": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
@@ -486,6 +489,7 @@ export interface WorkerHeartbeat {
   draining?: boolean;
   drafted?: number;
   accepted?: number;
+  linkBytes?: number;
 }
 
 export interface Disconnect {
@@ -577,6 +581,7 @@ export interface WorkerStats {
   lastSeenS: number;
   drafted?: number;
   accepted?: number;
+  linkBytes?: number;
   compute?: Compute;
 }
 
@@ -612,6 +617,7 @@ export interface Compute {
   rowsAlone?: boolean;
   padCost?: number;
   calibrateS?: number;
+  layout?: string;
 }
 
 export interface StoredSession {
