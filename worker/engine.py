@@ -166,7 +166,13 @@ class Engine:
         # Speculative decoding verifies drafts in a pass of decode rows (worker/forward.py).
         self.speculative = self.shared_passes
         self.padding = (
-            padding.decide(self.model, most_rows, batch_invariant, lambda: self.make_slab(max_sink, padding.HISTORY))
+            padding.decide(
+                self.model,
+                most_rows,
+                batch_invariant,
+                lambda: self.make_slab(max_sink, padding.HISTORY),
+                f"{loaded.model_id} {loaded.quantized} {loaded.model.args} {loaded.layout}",
+            )
             if self.shared_passes
             else None
         )

@@ -156,14 +156,13 @@ def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bi
     return w.reshape(*weight.shape[:-1], -1)
 
 
-def _load_gguf(path: Path, keep_quantized: bool, part: Part | None) -> tuple[nn.Module, bool, list[int | None]]:
+def _load_gguf(path: Path, keep_quantized: bool, part: Part | None = None) -> tuple[nn.Module, bool]:
     try:
         header = gguf_file.read_header(path)
         architectures.find(header.meta)  # refused before the weights are read
         model, weights = architectures.build(header.meta, gguf_file.read_tensors(path, header, keep_quantized))
     except ValueError as exc:  # refused: the worker exits 2
         raise ValueError(f"{path.name}: {exc}") from None
-    windows = _windows(model)
     if part is not None:
         weights = part.keep(model, weights)
     # Quantized tensors arrive as weight/scales/biases, bits varying per
@@ -183,7 +182,7 @@ def _load_gguf(path: Path, keep_quantized: bool, part: Part | None) -> tuple[nn.
             q = (weights.pop(f"{prefix}.{piece}") for piece in ("weight", "scales", "biases"))
             weights[f"{prefix}.weight"] = _dequantize_float32(*q, bits=b)
     model.load_weights(list(weights.items()), strict=True)
-    return model, bool(bits) and keep_quantized, windows
+    return model, bool(bits) and keep_quantized
 
 
 def _to_cpu_float32(model: nn.Module) -> nn.Module:
@@ -202,13 +201,15 @@ class Part:
 
     rank: int
     ranks: int
-    layout: Layout | None = None
+    layout: Layout | None = None  # set by `keep`, as `windows`: every layer's (`_windows`)
+    windows: list[int | None] | None = None
 
     def keep(self, model: nn.Module, weights: dict[str, mx.array] | None = None) -> dict[str, mx.array] | None:
         """Drop the rest from `model` and from `weights` (its tensors by
         parameter name, not loaded yet), before anything is read or
         dequantized; the layers renumbered from 0."""
         self.layout = Layout.even(len(model.model.layers), self.ranks)
+        self.windows = _windows(model)
         start, stop = self.layout.spans[self.rank]
         model.model.layers = model.model.layers[start:stop]
         if self.rank:
@@ -249,7 +250,7 @@ def load(
     if keep_quantized is None:
         keep_quantized = mx.default_device() == mx.gpu
     if path.suffix == ".gguf":
-        model, quantized, windows = _load_gguf(path, keep_quantized, part)
+        model, quantized = _load_gguf(path, keep_quantized, part)
         tokenizer = None
         if part is None or part.rank == 0:  # a later rank of a group sees no text (nor transformers)
             tokenizer = gguf_tokenizer(path)
@@ -259,7 +260,6 @@ def load(
         from mlx_lm.utils import load as mlx_lm_load
 
         model, tokenizer = mlx_lm_load(str(path), lazy=True)  # evaluated below: a part reads its share alone
-        windows = _windows(model)
         if part is not None:
             part.keep(model)
         quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
@@ -273,4 +273,5 @@ def load(
     model.eval()
     mx.eval(model.parameters())
     log.info("model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()))
+    windows = part.windows if part else _windows(model)
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=windows)

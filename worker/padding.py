@@ -18,24 +18,37 @@ sessions then reads the weights B times, and loses what sharing gains).
   logit by ~1e-4; docs/design.md, "Batch invariance").
 - Batch-invariant mode (`--batch-invariant`, vLLM's name): always
   row-invariant; bit-identical whatever the pass, at whatever it costs here.
+
+The floors and their cost are remembered on disk per model, kernels,
+threads and CPU (`decide`): measuring takes seconds, and a worker
+restarted after a crash should serve again at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
+import msgspec
 from mlx import nn
 
 from kvmux import logs
 from kvmux.protocol import Compute
+from kvmux.sessions.files import atomic_write
 
 from . import forward
-from .preload import blas_core
+from .model import tokenizer_cache_dir
+from .preload import blas_core, cpu_flags
 from .slab import SlabCache, rewind
 
 log = logs.get("worker.padding")
@@ -47,6 +60,7 @@ PAIRS = 5  # interleaved pairs (plain, padded) at most; their median ratio decid
 AGREE = 3  # ...or the first pairs, once this many all fall on one side of the budget
 FAR = 2.0  # ...or the first pairs, once all cost more than this
 ROWS = 8  # decode rows in the pass measured where rows go alone (8 sessions, or a verify pass)
+DECISION_VERSION = 1  # of how floors are calibrated and their cost measured: a change forgets remembered ones
 
 
 @dataclass
@@ -60,20 +74,33 @@ class Padding:
 
 
 def decide(
-    model: nn.Module, most_rows: int, batch_invariant: bool, make_slab: Callable[[], list[SlabCache]]
+    model: nn.Module,
+    most_rows: int,
+    batch_invariant: bool,
+    make_slab: Callable[[], list[SlabCache]],
+    model_key: str = "",
 ) -> Padding:
-    """Calibrate the floors, then keep them where the mode or their cost says
-    so; `make_slab` gives a slab to measure on (with spare slots: each
-    measured pass is taken back)."""
+    """Calibrate the floors and measure what they cost, then keep them where
+    the mode or their cost says so; `make_slab` gives a slab to measure on
+    (with spare slots: each measured pass is taken back). Both are
+    remembered on disk for `model_key` (the model and how the worker splits
+    it) on these kernels, threads and CPU: a worker started again (a
+    restart after a crash) decides at once instead of in seconds."""
     started = time.perf_counter()
-    floors = forward.calibrate(model, most_rows)
-    calibrated = time.perf_counter()
-    if floors == forward.Floors():
-        padding = Padding(floors, floors, exact=True, cost=1.0, batch_invariant=batch_invariant)
-    else:
-        cost = measure_cost(model, floors, make_slab())
-        exact = batch_invariant or (not floors.rows_alone and cost <= 1 + BUDGET)
-        padding = Padding(floors if exact else forward.Floors(), floors, exact, round(cost, 3), batch_invariant)
+    path = _remembered_at(model_key, most_rows)
+    try:
+        known = msgspec.json.decode(path.read_bytes(), type=_Measured)
+    except (OSError, msgspec.DecodeError, ValueError):
+        known = None
+    remembered = known is not None
+    if known is None:
+        floors = forward.calibrate(model, most_rows)
+        cost = 1.0 if floors == forward.Floors() else measure_cost(model, floors, make_slab())
+        known = _Measured(dataclasses.asdict(floors), round(cost, 3))
+        _remember(path, known)
+    floors = forward.Floors(**known.floors)
+    exact = batch_invariant or floors == forward.Floors() or (not floors.rows_alone and known.cost <= 1 + BUDGET)
+    padding = Padding(floors if exact else forward.Floors(), floors, exact, known.cost, batch_invariant)
     padding.seconds = round(time.perf_counter() - started, 3)
     log.info(
         "padding_decided",
@@ -81,11 +108,30 @@ def decide(
         exact=padding.exact,
         cost=padding.cost,
         blas=blas_core(),
-        calibrate_s=round(calibrated - started, 3),
-        measure_s=round(time.perf_counter() - calibrated, 3),
-        **{f"floor_{name}": rows for name, rows in dataclasses.asdict(floors).items()},
+        seconds=padding.seconds,
+        remembered=remembered,
+        **{f"floor_{name}": rows for name, rows in known.floors.items()},
     )
     return padding
+
+
+class _Measured(msgspec.Struct, array_like=True):
+    floors: dict[str, int | bool]  # forward.Floors' fields
+    cost: float
+
+
+def _remembered_at(model_key: str, most_rows: int) -> Path:
+    """Where a decision is kept: named for everything it depends on."""
+    what = [model_key, most_rows, blas_core(), os.environ.get("OPENBLAS_NUM_THREADS"), os.cpu_count()]
+    what += [mx.__version__, str(mx.default_device()), platform.processor(), *cpu_flags(), DECISION_VERSION]
+    digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
+    return tokenizer_cache_dir().parent / "padding" / f"{digest}.json"
+
+
+def _remember(path: Path, known: _Measured) -> None:
+    with contextlib.suppress(OSError):  # a read-only home: decided again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, msgspec.json.encode(known))
 
 
 def measure_cost(model: nn.Module, floors: forward.Floors, slab: list[SlabCache]) -> float:
