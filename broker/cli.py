@@ -196,8 +196,8 @@ def _by_reason(refused) -> str:
 
 
 def format_compute(c) -> str:
-    """A worker's kernels and padding in one cell, e.g. "OpenBLAS Haswell,
-    default: near-tie (exact: decode rows one at a time, 3.90x)"."""
+    """A worker's kernels and padding in one cell, e.g. "kvmux_native avx2,
+    2 threads; OpenBLAS Haswell, default: exact, nothing to pad"."""
     if c is None:
         return "-"
     how = "decode rows one at a time" if c.rows_alone else f"padded to {max(c.floors.values(), default=1)} rows"
@@ -207,7 +207,8 @@ def format_compute(c) -> str:
         padding = "exact, nothing to pad"
     else:
         padding = f"near-tie (exact: {how}, {c.pad_cost:.2f}x)"
-    return f"{c.blas or c.device}, {c.mode}: {padding}"
+    kernel = f"{c.kernel}; " if c.kernel else ""
+    return f"{kernel}{c.blas or c.device}, {c.mode}: {padding}"
 
 
 def format_stats(s) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmux import logs, settings
-from kvmux.worker.preload import openblas_path
+from kvmux.worker.preload import CPU_THREADS_ENV, openblas_path
 
 from .auth import Auth
 from .config import BrokerConfig
@@ -105,12 +105,14 @@ class LocalWorkers:
         return cmd + list(cfg.worker_args)
 
     def env(self) -> dict[str, str]:
-        """Each worker's BLAS gets its share of the cores: N pools of one
+        """Each worker's BLAS and CPU kernel get its share of the cores: N pools of one
         thread per core would oversubscribe the machine N times. OpenBLAS is
         preloaded here so the worker need not re-execute itself to get it."""
         env = dict(os.environ)
         processes = max(1, self.cfg.workers) * self.cfg.pipeline
-        env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+        share = str(max(1, (os.cpu_count() or 1) // processes))
+        env.setdefault("OPENBLAS_NUM_THREADS", share)
+        env.setdefault(CPU_THREADS_ENV, share)
         lib = openblas_path()
         if lib and not env.get("KVMUX_NO_OPENBLAS") and lib not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = " ".join(filter(None, [lib, env.get("LD_PRELOAD")]))

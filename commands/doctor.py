@@ -1,6 +1,7 @@
 """`kvmux doctor`: what a bug report needs in one screen: versions, the
-model files that load (and whether a given one does), whether the workers
-run with OpenBLAS preloaded, whether the daemon answers."""
+model files that load (and whether a given one does), which CPU kernel a
+worker would run, whether the workers run with OpenBLAS preloaded, whether
+the daemon answers."""
 
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def _gguf(path: Path) -> tuple[str, bool]:
     return f"{path}: {header.meta['general.architecture']}, {encodings}", True
 
 
+def _cpu_kernel() -> tuple[str, bool]:
+    """What would multiply a worker's quantized weights here (no weights
+    are loaded): BAD only where a CPU falls back for want of the build."""
+    from kvmux.worker import cpu_kernel
+
+    kernel = cpu_kernel.select(os.environ.get("KVMUX_CPU_KERNEL", "auto"))
+    if kernel.isa is None:
+        return (
+            f"{kernel.describe()}: float32 copies of the weights (make setup builds worker/native)",
+            not kernel.reason.startswith("not available"),
+        )
+    import kvmux_native
+
+    return f"{kernel.describe()} (this CPU runs {', '.join(kvmux_native.isas())})", True
+
+
 def doctor(
     endpoint: str = typer.Option(
         None, "--endpoint", "-e", help="Broker endpoint to probe. [default: the local daemon's admin endpoint]"
@@ -64,6 +81,8 @@ def doctor(
         line("mlx device", str(mx.default_device()))
     except ImportError as exc:
         line("mlx device", f"mlx not importable: {exc}", False)
+    else:
+        line("cpu kernel", *_cpu_kernel())
     try:
         from kvmux.worker import architectures, gguf_file
     except ImportError as exc:

@@ -70,6 +70,15 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             ' and exactness").'
         ),
     ] = False
+    cpu_kernel: Annotated[
+        Literal["auto", "avx512", "avx2", "scalar", "off"],
+        doc(
+            "What multiplies a quantized model's weights on a CPU: kvmux's own kernel reading them as stored"
+            " (auto: the best instruction set this CPU runs; avx512, avx2 or scalar to force one), or off:"
+            " float32 copies of the weights (5.6x the bytes a token reads for a Q4_1 GGUF).",
+            envvar="KVMUX_CPU_KERNEL",
+        ),
+    ] = "auto"
     pipeline: Annotated[
         AtLeastOne,
         doc(

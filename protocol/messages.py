@@ -248,6 +248,9 @@ class Compute(msgspec.Struct, kw_only=True, omit_defaults=True):
     pad_cost: float = 1.0  # invariant passes' time over plain ones', measured at start (worker/padding.py)
     calibrate_s: float = 0.0  # seconds that calibration and measuring took at start
     layout: str = ""  # a worker group's split of the model, e.g. "pipeline 2: layers 0-14 | 15-29" ("": one process)
+    kernel: str = (
+        ""  # what multiplies quantized weights on a CPU, e.g. "kvmux_native avx512, 2 threads", or "none (why)"
+    )
 
 
 class StoredSession(msgspec.Struct, kw_only=True, omit_defaults=True):

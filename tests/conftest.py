@@ -28,10 +28,11 @@ from kvmux import protocol as p
 
 STARTUP_TIMEOUT_S = 120.0  # a worker loads the model in seconds; 2 busy cores are slow
 
-# BLAS kernel families a test's workers run on: the machine's own, and
-# OpenBLAS's AVX2 ones forced (whose rows depend on where they sit in a
-# product: docs/design.md, "Batch invariance"). On an AVX2-only CPU both are Haswell.
-KERNELS = {"native": {}, "haswell": {"OPENBLAS_CORETYPE": "Haswell"}}
+# Kernel families a test's workers run on: the machine's own, and AVX2
+# forced, both for kvmux's CPU kernel (--cpu-kernel) and for OpenBLAS's
+# (whose AVX2 rows depend on where they sit in a product: docs/design.md,
+# "Batch invariance"). On an AVX2-only CPU both are the same.
+KERNELS = {"native": {}, "haswell": {"OPENBLAS_CORETYPE": "Haswell", "KVMUX_CPU_KERNEL": "avx2"}}
 # A near tie: the most the two tokens' logits may differ where a session
 # that shared passes parts from its run alone (padding.py's default mode).
 NEAR_TIE = 0.01

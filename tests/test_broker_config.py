@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import KERNELS, Daemon, kvmux_command
+from conftest import Daemon, kvmux_command
 
 from kvmux.broker.admission import percentiles
 from kvmux.broker.config import BrokerConfig, load
@@ -80,11 +80,12 @@ def test_percentiles():
 
 def test_batch_invariant_from_toml_reaches_the_local_workers(tmp_path):
     """`batch_invariant = true` in the TOML: `kvmux serve`'s worker makes
-    every pass row-invariant (on AVX2 kernels too, where the default would
-    not), and stats and doctor say so."""
+    every pass row-invariant (with float32 weights on AVX2 BLAS kernels too,
+    `cpu_kernel = "off"`, where the default would not), and stats and
+    doctor say so."""
     path = tmp_path / "kvmux.toml"
-    path.write_text("batch_invariant = true\n")
-    with Daemon(tmp_path, slabs=1, args=["--config", str(path)], env=KERNELS["haswell"]) as daemon:
+    path.write_text('batch_invariant = true\ncpu_kernel = "off"\n')
+    with Daemon(tmp_path, slabs=1, args=["--config", str(path)], env={"OPENBLAS_CORETYPE": "Haswell"}) as daemon:
         stats = daemon.wait_workers(1)
         compute = stats.workers[0].compute
         assert (compute.mode, compute.exact, compute.blas) == ("batch-invariant", True, "OpenBLAS Haswell")
@@ -93,4 +94,6 @@ def test_batch_invariant_from_toml_reaches_the_local_workers(tmp_path):
         doctor = subprocess.run(
             kvmux_command("doctor", "--endpoint", daemon.frontend), capture_output=True, text=True, timeout=60
         )
-        assert "OpenBLAS Haswell, batch-invariant: exact, decode rows one at a time" in doctor.stdout, doctor.stdout
+        assert "none (off); OpenBLAS Haswell, batch-invariant: exact, decode rows one at a time" in doctor.stdout, (
+            doctor.stdout
+        )

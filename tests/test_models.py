@@ -422,22 +422,24 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     _write(tmp_path / "mixed.gguf", {**k_quants, **affine, "q5.weight": (Q.Q5_0, gguf.quants.quantize(x, Q.Q5_0))})
     header = gguf_file.read_header(tmp_path / "mixed.gguf")
     assert header.encodings == {Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0}
-    ours = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, keep_quantized=False)
+    ours = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False)
 
     # Q4_0, Q4_1, Q8_0: the triplets MLX's reader makes of a file it reads whole, bit for bit.
     theirs = mx.load(str(tmp_path / "affine.gguf"))
     assert sorted(theirs) == sorted(k for k in ours if k.split(".")[0] in ("Q4_0", "Q4_1", "Q8_0"))
     for name, array in theirs.items():
         assert ours[name].dtype == array.dtype and mx.array_equal(ours[name], array).item(), name
-    # Q6_K: MLX's own decoder (to float16); Q4_K: llama.cpp's, transcribed
-    # (MLX's gives other values where the scales use their high bits).
+    # Q6_K: MLX's own decoder (to float16); Q4_K: an MLX triplet (float32
+    # scales) whose weights are llama.cpp's, transcribed, bit for bit (MLX's
+    # own reader gives other values where the scales use their high bits).
     q6 = np.array(mx.load(str(tmp_path / "k.gguf"))["k6.weight"].astype(mx.float32))
     np.testing.assert_allclose(np.array(ours["k6.weight"]), q6, rtol=1e-3, atol=1e-6)
-    np.testing.assert_allclose(np.array(ours["k4.weight"]), _q4_k(k_quants["k4.weight"][1]), rtol=1e-6, atol=1e-7)
+    k4 = mx.dequantize(ours["k4.weight"], ours["k4.scales"], ours["k4.biases"], group_size=32, bits=4)
+    assert np.array_equal(np.array(k4), _q4_k(k_quants["k4.weight"][1]))
     assert ours["q5.weight"].dtype == mx.float32 and np.abs(np.array(ours["q5.weight"]) - x).max() < 0.2
 
-    # Kept quantized (a GPU): MLX triplets, the K-quants at their own width.
-    kept = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, keep_quantized=True)
+    # Quantized again (a GPU): MLX triplets, the K-quants at their own width.
+    kept = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=True)
     widths = {name: kept[f"{name}.weight"].shape[-1] // kept[f"{name}.scales"].shape[-1] for name in ("k4", "k6", "q5")}
     assert widths == {"k4": 4, "k6": 6, "q5": 5}
 

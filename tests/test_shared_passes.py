@@ -67,14 +67,15 @@ def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
     stack_factory, hf_tokenizer, near_tie, kernels
 ):
     """The default mode, on either kernel family: 8 sessions decode 160
-    tokens together as alone (exact where padding was cheap enough to keep,
-    else parting only at a near tie), and the worker says which it is."""
+    tokens together as alone, bit for bit: kvmux's CPU kernel sums each
+    row in a fixed order, so nothing needs padding (test_native.py has the
+    fallback's near ties), and the worker says so."""
     stack = stack_factory(workers=1, slabs=8, env=KERNELS[kernels])
     compute = stack.stats().workers[0].compute
     assert compute.mode == "default" and compute.blas.startswith("OpenBLAS")
-    if kernels == "haswell":  # rows depend on where they sit: only rows alone are invariant, far too dear
-        assert compute.blas == "OpenBLAS Haswell" and compute.rows_alone
-        assert not compute.exact and compute.pad_cost > 1.05
+    assert compute.exact and not compute.floors and not compute.rows_alone and compute.pad_cost == 1.0
+    if kernels == "haswell":
+        assert compute.blas == "OpenBLAS Haswell" and compute.kernel.startswith("kvmux_native avx2")
     together_and_alone(stack, hf_tokenizer, near_tie, 8, 160)
 
 
@@ -84,7 +85,7 @@ def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stack_fac
     together exactly what they decode alone, bit for bit."""
     stack = stack_factory(workers=1, slabs=3, worker_args=["--batch-invariant"], env=KERNELS[kernels])
     compute = stack.stats().workers[0].compute
-    assert compute.mode == "batch-invariant" and compute.exact and (compute.floors or compute.rows_alone)
+    assert compute.mode == "batch-invariant" and compute.exact
     together_and_alone(stack, hf_tokenizer, near_tie, 3, 24)
 
 

@@ -171,7 +171,7 @@ class Engine:
                 most_rows,
                 batch_invariant,
                 lambda: self.make_slab(max_sink, padding.HISTORY),
-                f"{loaded.model_id} {loaded.quantized} {loaded.model.args} {loaded.layout}",
+                f"{loaded.model_id} {loaded.kernel.describe()} {loaded.model.args} {loaded.layout}",
             )
             if self.shared_passes
             else None

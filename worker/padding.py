@@ -47,6 +47,7 @@ from kvmux.protocol import Compute
 from kvmux.sessions.files import atomic_write
 
 from . import forward
+from .cpu_kernel import Kernel
 from .preload import blas_core, cpu_flags
 from .slab import SlabCache, rewind
 
@@ -160,10 +161,11 @@ def measure_cost(model: nn.Module, floors: forward.Floors, slab: list[SlabCache]
     return statistics.median(ratios)
 
 
-def compute_info(device: str, padding: Padding | None, layout: str = "") -> Compute:
+def compute_info(device: str, padding: Padding | None, layout: str = "", kernel: Kernel | None = None) -> Compute:
     """What decides this worker's speed and exactness, for READY and stats
     (`padding` None: the model runs one session per pass, nothing padded;
-    `layout`: a worker group's split of the model)."""
+    `layout`: a worker group's split of the model; `kernel`: what
+    multiplies its quantized weights on a CPU)."""
     floors = dataclasses.asdict(padding.calibrated) if padding else {}
     return Compute(
         device=device,
@@ -175,4 +177,5 @@ def compute_info(device: str, padding: Padding | None, layout: str = "") -> Comp
         pad_cost=padding.cost if padding else 1.0,
         calibrate_s=padding.seconds if padding else 0.0,
         layout=layout,
+        kernel=kernel.describe() if kernel and "cpu" in device else "",
     )

@@ -14,6 +14,10 @@ import sys
 from functools import cache
 from pathlib import Path
 
+# The CPU kernel's threads (worker/cpu_kernel.py): kvmux serve gives each
+# local worker process its share of the cores, as it does OpenBLAS's.
+CPU_THREADS_ENV = "KVMUX_CPU_THREADS"
+
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",

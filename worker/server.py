@@ -113,14 +113,20 @@ class Worker:
             # MLX streams belong to the thread that made them.
             mx.set_default_stream(mx.new_stream(mx.default_device()))
             part = Part(0, self.group.size()) if self.group else None
-            loaded = load(self.config.model, chat_template=self.config.chat_template, part=part)
+            loaded = load(
+                self.config.model, chat_template=self.config.chat_template, part=part, kernel=self.config.cpu_kernel
+            )
             if part is not None:
                 check_supported(loaded.model)
                 slot_bytes = loaded.kv_bytes_per_token // len(loaded.windows)
                 loaded.stages = Stages(self.group, part.layout, loaded.windows, slot_bytes)
             draft = None
             if self.config.draft_model:
-                draft = load(self.config.draft_model, keep_quantized=self.config.draft_quantized or None)
+                draft = load(
+                    self.config.draft_model,
+                    keep_quantized=self.config.draft_quantized or None,
+                    kernel=self.config.cpu_kernel,
+                )
                 check_tokenizers(loaded, draft)
             engine = Engine(
                 loaded,
@@ -149,7 +155,7 @@ class Worker:
                 host=socket.gethostname(),
                 free_slabs=self.config.slabs,
                 store=store.store_id,
-                compute=compute_info(str(mx.default_device()), engine.padding, str(loaded.layout)),
+                compute=compute_info(str(mx.default_device()), engine.padding, str(loaded.layout), loaded.kernel),
             )
             pipe.send_multipart([control.LOADED, p.encode(ready)])
             scheduler.run()

@@ -622,7 +622,7 @@
     );
     const rows = broker.workers.map((w) => {
       const row = el("tr");
-      const compute = w.compute ? `${w.compute.device} · ${w.compute.blas || "BLAS ?"} · ${w.compute.mode}${w.compute.exact ? " · exact" : ""}` : "";
+      const compute = w.compute ? `${w.compute.device}${w.compute.kernel ? ` · ${w.compute.kernel}` : ""} · ${w.compute.blas || "BLAS ?"} · ${w.compute.mode}${w.compute.exact ? " · exact" : ""}` : "";
       const accepted = w.drafted ? `${((100 * w.accepted) / w.drafted).toFixed(0)} % of ${count(w.drafted)}` : "–";
       const cells = [
         `${w.worker_id.slice(0, 8)} (${w.host}, pid ${w.pid})`,

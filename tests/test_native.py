@@ -1,0 +1,203 @@
+"""kvmux's native CPU ops (worker/native) in this process, on random and
+real weights: the quantized matmul against MLX's own dequantize + matmul
+for every width and group size, a row's bits whatever else the product
+holds and whichever instruction set runs it, the fused norm and rope
+against mx.fast's, bad arguments refused by name, and the whole model's
+logits against float32 copies of the same weights."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+native = pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
+
+ROWS = (1, 2, 3, 8, 17, 64, 300)
+# The kernel sums in another order than BLAS: a product's error against
+# float32 BLAS on the same dequantized weights, relative to its largest
+# value, is this small (float32's epsilon is 1.2e-7).
+TOLERANCE = 2e-6
+
+
+def quantized(n: int, k: int, bits: int, group: int, seed: int, scales=mx.float16):
+    """Random weights in MLX's affine layout, scales and biases as GGUF files keep them."""
+    w = mx.random.normal((n, k), key=mx.random.key(seed))
+    codes, s, b = mx.quantize(w, group_size=group, bits=bits)
+    return codes, s.astype(scales), b.astype(scales)
+
+
+def reference(x, codes, s, b, group, bits):
+    """float32 copies of the weights (the worker's fallback), times x."""
+    w = mx.dequantize(codes, s.astype(mx.float32), b.astype(mx.float32), group_size=group, bits=bits)
+    return x @ w.T
+
+
+@pytest.mark.parametrize("bits", [4, 8, 2, 3, 5, 6])
+@pytest.mark.parametrize("group", [32, 64])
+def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_count(bits, group):
+    codes, s, b = quantized(96, 640, bits, group, seed=bits * group)
+    for rows in ROWS:
+        x = mx.random.normal((rows, 640), key=mx.random.key(rows))
+        got, want = native.qmatmul(x, codes, s, b, group, bits), reference(x, codes, s, b, group, bits)
+        assert got.shape == (rows, 96) and got.dtype == mx.float32
+        err = mx.abs(got - want).max().item() / mx.abs(want).max().item()
+        assert err < TOLERANCE, f"{rows} rows: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits):
+    codes, s, b = quantized(200, 576, bits, 32, seed=bits)
+    x = mx.random.normal((300, 576), key=mx.random.key(7))
+    whole = {}
+    try:
+        for isa in native.isas():
+            native.set_isa(isa)
+            whole[isa] = native.qmatmul(x, codes, s, b, 32, bits)
+            for at in (0, 1, 2, 3, 5, 16, 63, 64, 150, 299):  # the direct path's tiles, the scratch path's, chunk edges
+                for rows in (1, 3, 8):
+                    part = native.qmatmul(x[at : at + rows], codes, s, b, 32, bits)
+                    assert mx.array_equal(part, whole[isa][at : at + rows]).item(), f"{isa}: rows {at}+{rows}"
+    finally:
+        native.set_isa(native.isas()[0])
+    first = next(iter(whole.values()))
+    for isa, out in whole.items():  # the same sums in the same order: AVX-512, AVX2 and scalar agree
+        assert mx.array_equal(out, first).item(), isa
+
+
+def test_scale_types_and_shapes_a_model_passes():
+    codes, s, b = quantized(64, 256, 4, 64, seed=3, scales=mx.bfloat16)
+    x = mx.random.normal((2, 5, 256), key=mx.random.key(1))  # (batch, tokens, features)
+    got = native.qmatmul(x, codes, s, b, 64, 4)
+    assert got.shape == (2, 5, 64)
+    want = reference(x, codes, s, b, 64, 4)
+    assert mx.abs(got - want).max().item() / mx.abs(want).max().item() < TOLERANCE
+    strided = mx.random.normal((256, 6), key=mx.random.key(2)).T  # not row-contiguous
+    assert mx.array_equal(
+        native.qmatmul(strided, codes, s, b, 64, 4), native.qmatmul(mx.array(np.array(strided)), codes, s, b, 64, 4)
+    ).item()
+    half = native.qmatmul(x.astype(mx.float16), codes, s, b, 64, 4)
+    assert half.dtype == mx.float16
+
+
+def test_bad_arguments_are_refused_by_name():
+    codes, s, b = quantized(8, 64, 4, 32, seed=0)
+    cases = [
+        ((mx.zeros((1, 64)), codes, s, b, 32, 7), "bits"),
+        ((mx.zeros((1, 64)), codes, s, b, 16, 4), "group_size"),
+        ((mx.zeros((1, 63)), codes, s, b, 32, 4), "last dimension"),
+        ((mx.zeros((1, 64)), codes.astype(mx.int32), s, b, 32, 4), "uint32"),
+        ((mx.zeros((1, 64)), codes, s[:, :1], b[:, :1], 32, 4), "one value per group"),
+        ((mx.zeros((1, 64), mx.int32), codes, s, b, 32, 4), "floating-point"),
+    ]
+    for args, words in cases:
+        with pytest.raises(ValueError, match=words):
+            native.qmatmul(*args)
+    with pytest.raises(ValueError, match="no kernel named"):
+        native.set_isa("sse9")
+
+
+def test_fused_norm_and_rope_equal_mx_fast():
+    x = mx.random.normal((6, 9, 1, 64), key=mx.random.key(4))
+    w = mx.random.normal((64,), key=mx.random.key(5))
+    assert mx.abs(native.rms_norm(x, w, 1e-5) - mx.fast.rms_norm(x, w, 1e-5)).max().item() < 1e-5
+    offsets = mx.array([0, 1, 17, 255, 1000, 2047])
+    freqs = mx.random.uniform(1, 100, (24,), key=mx.random.key(6))
+    for traditional in (True, False):
+        for offset in (mx.array(9), offsets):
+            got = native.rope(x, offset, 48, traditional, 10000.0, 1.0)
+            want = mx.fast.rope(x, 48, traditional=traditional, base=10000.0, scale=1.0, offset=offset)
+            # MLX's CPU cos and sin are approximations: apart by ~1e-4 at position 2047, libm's are exact
+            assert mx.abs(got - want).max().item() < 5e-4
+            got = native.rope(x, offset, 48, traditional, 10000.0, 1.0, freqs)
+            want = mx.fast.rope(x, 48, traditional=traditional, base=None, scale=1.0, offset=offset, freqs=freqs)
+            assert mx.abs(got - want).max().item() < 5e-4
+    one = native.rope(x[2:3], offsets[2:3], 64, True, 10000.0, 1.0)  # a row alone, as in the batch
+    assert mx.array_equal(one, native.rope(x, offsets, 64, True, 10000.0, 1.0)[2:3]).item()
+
+
+@pytest.fixture(scope="module")
+def models():
+    from kvmux.worker.model import load
+
+    return load(kernel="auto"), load(kernel="off")
+
+
+def test_the_model_reads_its_weights_as_stored(models):
+    from mlx import nn
+
+    from kvmux.worker import cpu_kernel
+
+    kernel, fallback = models
+    assert kernel.quantized and kernel.kernel.isa == native.isas()[0]
+    assert not fallback.quantized and fallback.kernel.describe() == "none (off)"
+    layers = dict(kernel.model.named_modules())
+    assert isinstance(layers["model.layers.0.self_attn.q_proj"], cpu_kernel.QuantizedLinear)
+    assert isinstance(layers["model.embed_tokens"], cpu_kernel.QuantizedEmbedding)
+    assert isinstance(layers["model.norm"], cpu_kernel.RMSNorm)
+    params = dict(nn.utils.tree_flatten(kernel.model.parameters()))
+    bytes_kept = sum(v.nbytes for v in params.values())
+    bytes_float = sum(v.nbytes for v in dict(nn.utils.tree_flatten(fallback.model.parameters())).values())
+    assert bytes_kept < 0.25 * bytes_float  # 96 MB of Q4_1 + Q8_0 (+ float32 norms) against 538 MB
+    # A real projection and the Q8_0 head: the kernel against the float32 copy's products.
+    q_proj = layers["model.layers.3.self_attn.q_proj"]
+    x = mx.random.normal((5, q_proj.weight.shape[1] * 32 // q_proj.bits), key=mx.random.key(8))
+    want = x @ dict(fallback.model.named_modules())["model.layers.3.self_attn.q_proj"].weight.T
+    assert mx.abs(q_proj(x) - want).max().item() / mx.abs(want).max().item() < TOLERANCE
+    h = mx.random.normal((3, 576), key=mx.random.key(9))
+    want = fallback.model.model.embed_tokens.as_linear(h)
+    assert (
+        mx.abs(kernel.model.model.embed_tokens.as_linear(h) - want).max().item() / mx.abs(want).max().item() < TOLERANCE
+    )
+    tokens = mx.array([1, 500, 9000])
+    assert mx.array_equal(kernel.model.model.embed_tokens(tokens), fallback.model.model.embed_tokens(tokens)).item()
+
+
+def test_whole_model_logits_equal_the_float32_copys(models):
+    """A 200-token prompt and 16 decode steps: the same logits to a few
+    parts in a million, the same greedy tokens."""
+    from kvmux.worker.forward import Floors, Segment, forward
+
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.integers(100, 20000, 200))
+    outs = []
+    for loaded in models:
+        slab = loaded.make_slab(4, 2048, 0)
+        logits = forward(loaded.model, [Segment(prompt, slab)], Floors())[0]
+        steps = [logits]
+        for _ in range(16):
+            token = mx.argmax(steps[-1][-1]).reshape(1)
+            steps.append(forward(loaded.model, [Segment(token, slab, True)], Floors())[0])
+        outs.append(mx.concatenate(steps))
+    kernel, fallback = outs
+    assert mx.array_equal(mx.argmax(kernel, axis=-1), mx.argmax(fallback, axis=-1)).item()
+    assert mx.abs(kernel - fallback).max().item() < 1e-3 * mx.abs(fallback).max().item()
+
+
+def test_a_worker_without_the_kernel_serves_the_same_tokens(stack_factory, shared_stack, hf_tokenizer, near_tie):
+    """`--cpu-kernel off` (what a worker does where the extension is not
+    built): float32 copies on OpenBLAS's AVX2 kernels, whose rows depend on
+    where they sit, so its default mode is near-tie, and it says all that;
+    its greedy replies are the kernel worker's, or part at a near tie."""
+    from kvmux.client import Client
+
+    off = stack_factory(workers=1, slabs=2, worker_args=["--cpu-kernel", "off"], env={"OPENBLAS_CORETYPE": "Haswell"})
+    compute = off.stats().workers[0].compute
+    assert compute.kernel == "none (off)" and compute.blas == "OpenBLAS Haswell"
+    assert compute.rows_alone and not compute.exact
+    served = shared_stack.stats().workers[0].compute
+    assert served.kernel == f"kvmux_native {native.isas()[0]}, {native.threads()} threads" and served.exact
+    prompts = ["Name three rivers in Europe.", "Write a haiku about the sea.", "What is 12 times 12?"]
+    replies = []
+    for stack in (shared_stack, off):
+        with Client(stack.frontend, timeout=300) as client:
+            replies.append([])
+            for prompt in prompts:
+                with client.open_session() as session:
+                    session.append(messages=[{"role": "user", "content": prompt}])
+                    replies[-1].append(
+                        [t for c in session.generate(max_tokens=32, temperature=0.0) for t in c.token_ids]
+                    )
+    for prompt, kernel, fallback in zip(prompts, *replies, strict=True):
+        context = hf_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        near_tie(context, kernel, fallback, exact=False)

@@ -1,0 +1,157 @@
+"""kvmux's native CPU ops (worker/native, the `kvmux_native` extension):
+chosen once per worker process, and the model's layers made to use them.
+
+MLX's CPU backend has no fast quantized matmul on x86 (its kernel is
+scalar and single-threaded there), so without this kernel a CPU worker
+multiplies float32 copies of the weights: 5.6x the bytes a token reads
+for a Q4_1 GGUF. With it the weights stay as the file stores them and
+`x @ W.T` reads them so, on every x86 CPU (AVX-512, AVX2, or scalar) and
+on Linux aarch64 (scalar). Its sums are row-invariant by construction
+(a row's logits do not depend on what shares its pass: no padding). The
+model's RMS norms and rotary embeddings become one op each too (MLX's CPU
+runs each as a graph of 6 and ~20 small ops, and a decode step's time
+there is as much the ops' count as their work).
+
+`select` says which kernel runs, or why none does (not built, built for
+another mlx, a GPU, `off`); the worker then falls back to MLX's own
+quantized layers on a GPU and float32 copies on a CPU, and `describe`
+says so in Compute.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+from mlx import nn
+
+from kvmux import logs
+
+from .preload import CPU_THREADS_ENV, openblas_path, preloaded
+
+log = logs.get("worker.cpu_kernel")
+
+CHOICES = ("auto", "avx512", "avx2", "scalar", "off")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The kernel a worker runs (`isa` None: none, for `reason`)."""
+
+    isa: str | None
+    threads: int = 0
+    reason: str = ""
+
+    def describe(self) -> str:
+        if self.isa is None:
+            return f"none ({self.reason})"
+        return f"kvmux_native {self.isa}, {self.threads} threads"
+
+
+@cache
+def select(choice: str = "auto") -> Kernel:
+    """The kernel for `choice` (one of CHOICES), set up for this process:
+    its instruction set and threads; OpenBLAS then keeps one thread (it
+    only computes attention's small products, and its spinning threads
+    would take the cores the kernel's threads need)."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu_kernel must be one of {', '.join(CHOICES)}, not {choice!r}")
+    if choice == "off":
+        return Kernel(None, reason="off")
+    if mx.default_device() != mx.cpu:
+        return Kernel(None, reason="a GPU: MLX's own quantized kernels")
+    try:
+        import kvmux_native
+    except ImportError as exc:  # not built here, or built for another mlx
+        log.warning("cpu_kernel_unavailable", error=str(exc))
+        return Kernel(None, reason=f"not available: {exc}")
+    isa = kvmux_native.isas()[0] if choice == "auto" else choice
+    if isa not in kvmux_native.isas():
+        raise ValueError(f"cpu_kernel {isa}: this CPU runs {', '.join(kvmux_native.isas())}")
+    kvmux_native.set_isa(isa)
+    threads = int(os.environ.get(CPU_THREADS_ENV) or len(os.sched_getaffinity(0)))
+    kvmux_native.set_threads(max(1, threads))
+    _one_blas_thread()
+    return Kernel(isa, kvmux_native.threads())
+
+
+def _one_blas_thread() -> None:
+    lib = openblas_path()
+    if lib and preloaded():
+        ctypes.CDLL(lib).openblas_set_num_threads(1)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose product is kvmux_native's."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = native().qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose rows come out in float32 (as the float32
+    copy's: q * scale + bias is exact there) and whose use as the head
+    (a tied embedding) is kvmux_native's product."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.dequantize(
+            self["weight"][x],
+            scales=self["scales"][x].astype(mx.float32),
+            biases=self["biases"][x].astype(mx.float32),
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return native().qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+
+
+class RMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        return native().rms_norm(x, self["weight"], self.eps)
+
+
+class RoPE(nn.RoPE):
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        offset = offset if isinstance(offset, mx.array) else mx.array(offset)
+        return native().rope(x, offset, self.dims, self.traditional, self.base, self.scale)
+
+
+def native():
+    import kvmux_native
+
+    return kvmux_native
+
+
+_ADOPTED = {
+    nn.QuantizedLinear: QuantizedLinear,
+    nn.QuantizedEmbedding: QuantizedEmbedding,
+    nn.RMSNorm: RMSNorm,
+    nn.RoPE: RoPE,
+}
+
+
+def adopt(model: nn.Module) -> int:
+    """Make the model's affine quantized layers, RMS norms and (plain)
+    rotary embeddings compute with kvmux_native (their parameters stay as
+    they are: only the ops change); its other floats float32, what MLX's
+    CPU computes fastest. Returns the layers adopted."""
+    adopted = 0
+    for _, module in model.named_modules():
+        kind = _ADOPTED.get(type(module))
+        if kind is not None and getattr(module, "mode", "affine") == "affine":
+            module.__class__ = kind
+            adopted += 1
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            floats = {k: v.astype(mx.float32) for k, v in module.items() if _is_float(v)}
+            if floats:
+                module.update(floats)
+    return adopted
+
+
+def _is_float(value: object) -> bool:
+    return isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32

@@ -1,0 +1,27 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+
+#include "fused.h"
+#include "qmm.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "kvmux's CPU quantized matmul for MLX";
+  m.def("qmatmul", &kvmux_native::qmatmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "x @ W.T for W in MLX's affine quantized layout (nn.QuantizedLinear's weight, scales, biases); "
+        "float32 arithmetic, each row's sum in a fixed order; runs on the CPU stream.");
+  m.def("rms_norm", &kvmux_native::rms_norm, "x"_a, "weight"_a, "eps"_a,
+        "mx.fast.rms_norm as one CPU op (MLX's CPU runs it as six).");
+  m.def("rope", &kvmux_native::rope, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "freqs"_a = nb::none(), "mx.fast.rope (forward) as one CPU op (MLX's CPU runs it as ~20).");
+  m.def("built_with", [] { return std::string(KVMUX_MLX_VERSION); }, "The mlx release this module was built against.");
+  m.def("isa", &kvmux_native::isa, "The instruction set the kernel runs: avx512, avx2 or scalar.");
+  m.def("isas", &kvmux_native::isas, "Every instruction set this CPU runs the kernel in, best first.");
+  m.def("set_isa", &kvmux_native::set_isa, "name"_a, "Run the kernel in this instruction set.");
+  m.def("threads", &kvmux_native::threads, "Threads a product's rows are split over, the caller's included.");
+  m.def("set_threads", &kvmux_native::set_threads, "n"_a);
+}

@@ -1,0 +1,235 @@
+// The kernel's body, written once over a 16-lane vector type `V` and
+// included by each instruction set's file after its `#pragma GCC target`
+// (so every function here is compiled for that set, and inlined there).
+// Each file wraps it in a namespace of its own: nothing here is shared
+// between instruction sets at link time.
+//
+// V provides: vec, zero(), set1(f), load(p), store(p, v), fma(a, b, c)
+// (a * b + c, one rounding), hsum(v) (the fixed tree of kernels.h),
+// codes4(p, even, odd) (32 4-bit codes from 16 bytes), codes8(p) (16 8-bit codes) and
+// half(h) (a float16's bits to float).
+// The including file has <cstring> and kernels.h included before.
+
+namespace {
+
+template <class V, kvmux_native::ScaleType ST>
+inline float scale_at(const void* base, size_t i) {
+  if constexpr (ST == kvmux_native::ScaleType::float16) {
+    return V::half(static_cast<const uint16_t*>(base)[i]);
+  } else if constexpr (ST == kvmux_native::ScaleType::bfloat16) {
+    uint32_t bits = uint32_t(static_cast<const uint16_t*>(base)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return static_cast<const float*>(base)[i];
+  }
+}
+
+// 16 codes of any width: a little-endian bit stream (MLX packs 3, 5 and 6
+// bits so too), read a code at a time.
+inline void codes_any(const uint8_t* row, int bits, int k, float* out) {
+  const uint32_t mask = (1u << bits) - 1;
+  for (int i = 0; i < 16; ++i) {
+    const size_t at = size_t(k + i) * bits;
+    uint32_t word = 0;
+    std::memcpy(&word, row + (at >> 3), (((at & 7) + bits + 7) >> 3));
+    out[i] = float((word >> (at & 7)) & mask);
+  }
+}
+
+// The 32 codes of a row from weight k on, as floats, in the kernel's
+// order (kernels.h): 4 bits even k then odd k, other widths as stored.
+template <class V, int BITS>
+inline void codes(const uint8_t* row, int k, typename V::vec& a, typename V::vec& b) {
+  if constexpr (BITS == 4) {
+    V::codes4(row + k / 2, a, b);
+  } else if constexpr (BITS == 8) {
+    a = V::codes8(row + k);
+    b = V::codes8(row + k + 16);
+  } else {
+    alignas(64) float out[32];
+    codes_any(row, BITS, k, out);
+    codes_any(row, BITS, k + 16, out + 16);
+    a = V::load(out);
+    b = V::load(out + 16);
+  }
+}
+
+template <class V, int BITS, kvmux_native::ScaleType ST>
+void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
+  const int K = p.K, group = p.group, groups = K / group;
+  const uint8_t* row = p.w + size_t(n) * K * BITS / 8;
+  const size_t first = size_t(n) * groups;
+  for (int g = 0; g < groups; ++g) {
+    const auto s = V::set1(scale_at<V, ST>(p.scales, first + g));
+    const auto b = V::set1(scale_at<V, ST>(p.biases, first + g));
+    for (int k = g * group; k < (g + 1) * group; k += 32) {
+      typename V::vec lo, hi;
+      codes<V, BITS>(row, k, lo, hi);
+      V::store(dst + k, V::fma(lo, s, b));
+      V::store(dst + k + 16, V::fma(hi, s, b));
+    }
+  }
+}
+
+// Few rows of x (a decode step, a verify pass): NB weight rows dequantized
+// in registers as they are read, each multiplied into MB rows of x at
+// once; the same products and sums as the scratch path below.
+template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
+void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
+  const int K = p.K, group = p.group, groups = K / group;
+  const size_t row_bytes = size_t(K) * BITS / 8;
+  for (int nb = n0; nb < n1; nb += NB) {
+    const int nn = n1 - nb < NB ? n1 - nb : NB;
+    const uint8_t* rows[NB];
+    size_t firsts[NB];
+    for (int j = 0; j < NB; ++j) {
+      const int n = nb + (j < nn ? j : 0);  // past the end: row nb again, its results dropped
+      rows[j] = p.w + n * row_bytes;
+      firsts[j] = size_t(n) * groups;
+    }
+    typename V::vec acc[MB][NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j)
+        acc[i][j] = V::zero();
+    for (int g = 0; g < groups; ++g) {
+      typename V::vec s[NB], b[NB];
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        s[j] = V::set1(scale_at<V, ST>(p.scales, firsts[j] + g));
+        b[j] = V::set1(scale_at<V, ST>(p.biases, firsts[j] + g));
+      }
+      for (int k = g * group; k < (g + 1) * group; k += 32) {
+        typename V::vec lo[NB], hi[NB];
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+          codes<V, BITS>(rows[j], k, lo[j], hi[j]);
+          lo[j] = V::fma(lo[j], s[j], b[j]);
+          hi[j] = V::fma(hi[j], s[j], b[j]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MB; ++i) {
+          const auto xlo = V::load(p.x + size_t(m0 + i) * K + k);
+#pragma GCC unroll 8
+          for (int j = 0; j < NB; ++j)
+            acc[i][j] = V::fma(xlo, lo[j], acc[i][j]);
+          const auto xhi = V::load(p.x + size_t(m0 + i) * K + k + 16);
+#pragma GCC unroll 8
+          for (int j = 0; j < NB; ++j)
+            acc[i][j] = V::fma(xhi, hi[j], acc[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < nn; ++j)
+        p.out[size_t(m0 + i) * p.N + nb + j] = V::hsum(acc[i][j]);
+  }
+}
+
+// MB rows of x against NB dequantized rows of W: one accumulator each.
+template <class V, int NB, int MB>
+void tile(const float* x, int ldx, const float* w, int K, float* out, int ldo) {
+  typename V::vec acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      acc[i][j] = V::zero();
+  for (int k = 0; k < K; k += 16) {
+    typename V::vec wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      wv[j] = V::load(w + size_t(j) * K + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const auto xv = V::load(x + size_t(i) * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j)
+        acc[i][j] = V::fma(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      out[size_t(i) * ldo + j] = V::hsum(acc[i][j]);
+}
+
+template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
+void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
+  const int K = p.K;
+  for (int n = n0; n < n1; ++n)
+    dequantize_row<V, BITS, ST>(p, n, scratch + size_t(n - n0) * K);
+  for (int nb = n0; nb < n1; nb += NB) {
+    const float* w = scratch + size_t(nb - n0) * K;
+    const bool full_n = nb + NB <= n1;
+    for (int mb = m0; mb < m1; mb += MB) {
+      const float* x = p.x + size_t(mb) * K;
+      float* out = p.out + size_t(mb) * p.N + nb;
+      if (full_n && mb + MB <= m1) {
+        tile<V, NB, MB>(x, K, w, K, out, p.N);
+        continue;
+      }
+      for (int i = 0; i < MB && mb + i < m1; ++i)
+        for (int j = 0; j < NB && nb + j < n1; ++j)
+          tile<V, 1, 1>(x + size_t(i) * K, K, w + size_t(j) * K, K, out + size_t(i) * p.N + j, p.N);
+    }
+  }
+}
+
+// Rows m0..m1 of x by rows n0..n1 of W: up to MB rows of x straight from
+// the codes, more through the scratch (the weights dequantized once for
+// all of them). `SMALL_NB`: the weight rows in flight in the direct path.
+template <class V, int BITS, kvmux_native::ScaleType ST, int SMALL_NB, int NB, int MB>
+void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
+  switch (m1 - m0) {
+    case 1:
+      return direct<V, BITS, ST, SMALL_NB, 1>(p, n0, n1, m0);
+    case 2:
+      if constexpr (MB >= 2) return direct<V, BITS, ST, SMALL_NB, 2>(p, n0, n1, m0);
+      break;
+    case 3:
+      if constexpr (MB >= 3) return direct<V, BITS, ST, SMALL_NB, 3>(p, n0, n1, m0);
+      break;
+    case 4:
+      if constexpr (MB >= 4) return direct<V, BITS, ST, SMALL_NB, 4>(p, n0, n1, m0);
+      break;
+  }
+  scratch_block<V, BITS, ST, NB, MB>(p, n0, n1, m0, m1, scratch);
+}
+
+template <class V, int BITS, int SMALL_NB, int NB, int MB>
+void block_bits(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
+  using kvmux_native::ScaleType;
+  switch (p.scale_type) {
+    case ScaleType::float16:
+      return block_typed<V, BITS, ScaleType::float16, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+    case ScaleType::bfloat16:
+      return block_typed<V, BITS, ScaleType::bfloat16, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+    default:
+      return block_typed<V, BITS, ScaleType::float32, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+  }
+}
+
+template <class V, int SMALL_NB, int NB, int MB>
+void block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
+  switch (p.bits) {
+    case 4:
+      return block_bits<V, 4, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+    case 8:
+      return block_bits<V, 8, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+    case 2:
+      return block_bits<V, 2, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+    case 3:
+      return block_bits<V, 3, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+    case 5:
+      return block_bits<V, 5, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+    default:
+      return block_bits<V, 6, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+  }
+}
+
+}  // namespace

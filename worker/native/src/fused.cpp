@@ -1,0 +1,150 @@
+#include "fused.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "qmm.h"
+
+namespace kvmux_native {
+
+namespace {
+
+mx::Stream cpu_stream() { return mx::to_stream({}, mx::Device::cpu); }
+
+mx::array as_float32(const mx::array& a, mx::Stream s) {
+  return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
+}
+
+// Σ v[i]^2 in 16 lanes, then the lanes' fixed tree (as the matmul's sums).
+float sum_of_squares(const float* v, int n) {
+  float lanes[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += v[i + l] * v[i + l];
+  for (int l = 0; i < n; ++i, ++l) lanes[l] += v[i] * v[i];
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+}  // namespace
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("[kvmux_native.rms_norm] weight must be 1-D with x's last dimension");
+  if (!mx::issubdtype(x.dtype(), mx::floating)) throw std::invalid_argument("[kvmux_native.rms_norm] x must be floating");
+  auto s = cpu_stream();
+  auto out = mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(s, eps), {as_float32(x, s), as_float32(weight, s)});
+  return x.dtype() == mx::float32 ? out : mx::astype(out, x.dtype(), s);
+}
+
+void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_output_array(out);
+  encoder.dispatch([x, w, o = out.data<float>(), eps = eps_]() {
+    thread_local std::vector<float> xs, ws;
+    const float* xv = contiguous_rows(x, xs);
+    const float* wv = contiguous_rows(w, ws);
+    const int D = x.shape(-1);
+    const size_t rows = x.size() / D;
+    for (size_t r = 0; r < rows; ++r) {
+      const float* row = xv + r * D;
+      const float inv = 1.0f / std::sqrt(sum_of_squares(row, D) * (1.0f / D) + eps);
+      for (int i = 0; i < D; ++i) o[r * D + i] = (row[i] * inv) * wv[i];
+    }
+  });
+}
+
+void RMSNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[kvmux_native.rms_norm] runs on the CPU only");
+}
+
+bool RMSNorm::is_equivalent(const mx::Primitive& other) const {
+  return eps_ == static_cast<const RMSNorm&>(other).eps_;
+}
+
+mx::array rope(
+    const mx::array& x,
+    const mx::array& offset,
+    int dims,
+    bool traditional,
+    float base,
+    float scale,
+    const std::optional<mx::array>& freqs) {
+  if (x.ndim() < 3) throw std::invalid_argument("[kvmux_native.rope] x must have at least 3 dimensions");
+  if (dims <= 0 || dims % 2 || dims > x.shape(-1))
+    throw std::invalid_argument("[kvmux_native.rope] dims must be even, positive and at most x's last dimension");
+  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != size_t(x.shape(0))))
+    throw std::invalid_argument("[kvmux_native.rope] offset must be a scalar or one per x's first dimension");
+  if (!mx::issubdtype(offset.dtype(), mx::integer)) throw std::invalid_argument("[kvmux_native.rope] offset must be integer");
+  if (freqs && (freqs->ndim() != 1 || freqs->shape(0) != dims / 2))
+    throw std::invalid_argument("[kvmux_native.rope] freqs must be 1-D with dims / 2 values");
+  auto s = cpu_stream();
+  std::vector<mx::array> inputs{as_float32(x, s), mx::astype(offset, mx::int32, s)};
+  if (freqs) inputs.push_back(as_float32(*freqs, s));
+  auto out = mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(s, dims, traditional, base, scale), inputs);
+  return x.dtype() == mx::float32 ? out : mx::astype(out, x.dtype(), s);
+}
+
+void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([inputs, o = out.data<float>(), dims = dims_, traditional = traditional_, base = base_,
+                    scale = scale_]() {
+    const auto& x = inputs[0];
+    thread_local std::vector<float> xs;
+    const float* xv = contiguous_rows(x, xs);
+    const int32_t* offsets = inputs[1].data<int32_t>();  // a scalar or a vector: contiguous either way
+    const bool per_b = inputs[1].size() > 1;
+    const int B = x.shape(0), T = x.shape(-2), D = x.shape(-1), half = dims / 2;
+    const size_t N = x.size() / (size_t(B) * T * D);
+    std::vector<float> inv(half), cs(size_t(T) * half), sn(size_t(T) * half);
+    for (int i = 0; i < half; ++i)
+      inv[i] = inputs.size() > 2 ? 1.0f / inputs[2].data<float>()[i]
+                                 : std::exp(float(-i) * float(std::log(base) / half));
+    for (int b = 0; b < B; ++b) {
+      for (int t = 0; t < T; ++t) {
+        const float pos = (float(t) + float(offsets[per_b ? b : 0])) * scale;
+        for (int i = 0; i < half; ++i) {
+          const float theta = pos * inv[i];
+          cs[size_t(t) * half + i] = std::cos(theta);
+          sn[size_t(t) * half + i] = std::sin(theta);
+        }
+      }
+      for (size_t n = 0; n < N; ++n) {
+        for (int t = 0; t < T; ++t) {
+          const size_t at = ((size_t(b) * N + n) * T + t) * D;
+          const float* c = cs.data() + size_t(t) * half;
+          const float* sv = sn.data() + size_t(t) * half;
+          for (int i = 0; i < half; ++i) {
+            const size_t i1 = at + (traditional ? 2 * i : i), i2 = at + (traditional ? 2 * i + 1 : i + half);
+            const float x1 = xv[i1], x2 = xv[i2];
+            o[i1] = x1 * c[i] - x2 * sv[i];
+            o[i2] = x1 * sv[i] + x2 * c[i];
+          }
+          for (int i = dims; i < D; ++i) o[at + i] = xv[at + i];
+        }
+      }
+    }
+  });
+}
+
+void RoPE::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[kvmux_native.rope] runs on the CPU only");
+}
+
+bool RoPE::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const RoPE&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+}
+
+}  // namespace kvmux_native

@@ -1,0 +1,64 @@
+// Fused CPU ops for what MLX's CPU backend runs as a graph of small ops:
+// mx.fast.rms_norm (6 ops there) and mx.fast.rope (~20, its cos and sin
+// tables made again each call). On a CPU a decode step is ~100 ops per
+// layer, each costing microseconds of dispatch whatever its size: one op
+// each instead. The same arithmetic as MLX's fallbacks, in float32, each
+// row on its own (a row's result never depends on the others).
+
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace kvmux_native {
+
+namespace mx = mlx::core;
+
+// x * rsqrt(mean(x^2) + eps) * weight over the last axis (float32).
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
+
+// Rotary embedding of x (B, ..., T, D) at positions offset[b] + t (offset a
+// scalar or one per B), as mx.fast.rope forward: the first `dims` features,
+// paired (2i, 2i + 1) if `traditional` else (i, i + dims / 2), at
+// frequencies base^(-2i / dims) or 1 / freqs[i], positions times `scale`.
+mx::array rope(
+    const mx::array& x,
+    const mx::array& offset,
+    int dims,
+    bool traditional,
+    float base,
+    float scale,
+    const std::optional<mx::array>& freqs);
+
+class RMSNorm : public mx::UnaryPrimitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "KvmuxRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float eps_;
+};
+
+class RoPE : public mx::UnaryPrimitive {
+ public:
+  RoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::UnaryPrimitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "KvmuxRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_;
+  float scale_;
+};
+
+}  // namespace kvmux_native

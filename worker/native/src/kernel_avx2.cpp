@@ -1,0 +1,63 @@
+// AVX2 + FMA: a 16-lane vector as two 256-bit registers (lanes 0-7, 8-15),
+// so the sums are the AVX-512 kernel's, bit for bit.
+
+#include <cstring>
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+namespace kvmux_native {
+namespace avx2 {
+
+struct V {
+  static float half(uint16_t h) { return _cvtsh_ss(h); }
+  struct vec {
+    __m256 lo, hi;
+  };
+  static vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static vec set1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+  static vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void store(float* p, const vec& a) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+  }
+  static vec fma(const vec& a, const vec& b, const vec& c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+  }
+  static float hsum(const vec& a) {
+    const __m256 s8 = _mm256_add_ps(a.lo, a.hi);  // lane i: i + (i + 8)
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  // i + (i + 4)
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // i + (i + 2)
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+  static void codes4(const uint8_t* p, vec& even, vec& odd) {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    even = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble))};
+    odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+  }
+  static vec codes8(const uint8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+  }
+};
+
+#include "block.h"
+
+}  // namespace avx2
+
+BlockFn block_avx2() { return &avx2::block<avx2::V, 2, 2, 2>; }
+
+}  // namespace kvmux_native
+#pragma GCC pop_options
+
+#else
+namespace kvmux_native {
+BlockFn block_avx2() { return nullptr; }
+}  // namespace kvmux_native
+#endif

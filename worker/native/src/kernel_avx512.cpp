@@ -1,0 +1,53 @@
+// AVX-512F: a 16-lane vector is one 512-bit register.
+
+#include <cstring>
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#include <immintrin.h>
+
+namespace kvmux_native {
+namespace avx512 {
+
+struct V {
+  static float half(uint16_t h) { return _cvtsh_ss(h); }
+  using vec = __m512;
+  static vec zero() { return _mm512_setzero_ps(); }
+  static vec set1(float f) { return _mm512_set1_ps(f); }
+  static vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
+  static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(vec a) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), hi);  // lane i: i + (i + 8)
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  // i + (i + 4)
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // i + (i + 2)
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+  static void codes4(const uint8_t* p, vec& even, vec& odd) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+  static vec codes8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+#include "block.h"
+
+}  // namespace avx512
+
+BlockFn block_avx512() { return &avx512::block<avx512::V, 4, 4, 4>; }
+
+}  // namespace kvmux_native
+#pragma GCC pop_options
+
+#else
+namespace kvmux_native {
+BlockFn block_avx512() { return nullptr; }
+}  // namespace kvmux_native
+#endif

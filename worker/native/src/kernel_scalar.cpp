@@ -1,0 +1,62 @@
+// The portable kernel: 16 float lanes as an array, std::fma per lane. Any
+// CPU (Linux aarch64 among them) runs it; on x86 it is the fallback.
+
+#include <cmath>
+
+#include <cstring>
+
+#include "kernels.h"
+
+namespace kvmux_native {
+namespace scalar {
+
+struct V {
+  static float half(uint16_t h) { return kvmux_native::half_to_float(h); }
+  struct vec {
+    float v[16];
+  };
+  static vec zero() { return set1(0.0f); }
+  static vec set1(float f) {
+    vec r;
+    for (float& x : r.v) x = f;
+    return r;
+  }
+  static vec load(const float* p) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static void store(float* p, const vec& a) {
+    for (int i = 0; i < 16; ++i) p[i] = a.v[i];
+  }
+  static vec fma(const vec& a, const vec& b, const vec& c) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return r;
+  }
+  static float hsum(const vec& a) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; ++i) s8[i] = a.v[i] + a.v[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  }
+  static void codes4(const uint8_t* p, vec& even, vec& odd) {
+    for (int i = 0; i < 16; ++i) {
+      even.v[i] = float(p[i] & 0xF);
+      odd.v[i] = float(p[i] >> 4);
+    }
+  }
+  static vec codes8(const uint8_t* p) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.v[i] = float(p[i]);
+    return r;
+  }
+};
+
+#include "block.h"
+
+}  // namespace scalar
+
+BlockFn block_scalar() { return &scalar::block<scalar::V, 1, 1, 1>; }
+
+}  // namespace kvmux_native

@@ -1,0 +1,81 @@
+// The CPU kernels of `x @ W.T` on MLX's affine quantized layout.
+//
+// W (N x K) is stored as MLX's nn.QuantizedLinear keeps it: `bits`-wide
+// codes packed little-end into uint32 words (weight j of a word at bits
+// j*bits..), and per `group` weights of a row one scale and one bias, so
+// that w = q * scale + bias.
+//
+// Every kernel computes the same numbers, on every instruction set:
+//  - each weight is q * scale + bias as one fused multiply-add in float32
+//    (exactly the float32 value a dequantized copy holds: q * scale is
+//    exact for float16 or bfloat16 scales);
+//  - out[m][n] = sum over k of x[m][k] * w[n][k] is accumulated in 16
+//    lanes, one fused multiply-add each, then the lanes are summed in a
+//    fixed tree (l + 8, l + 4, l + 2, l + 1). The 32 weights from k = 32c
+//    are two steps: with 4 bits lane l takes k = 32c + 2l, then 32c + 2l + 1
+//    (a byte's low and high nibbles; x is put in that order once per call,
+//    `x_order`); with other widths k = 32c + l, then 32c + 16 + l.
+// So a row's result never depends on how many rows the call has, where
+// the row sits, how the work is split over threads, or which of the
+// AVX-512, AVX2 and scalar kernels ran.
+
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace kvmux_native {
+
+enum class ScaleType { float16, bfloat16, float32 };
+
+struct Problem {
+  const float* x;  // M x K, rows contiguous
+  const uint8_t* w;  // N rows of K * bits / 8 bytes
+  const void* scales;  // N x K / group
+  const void* biases;  // N x K / group
+  ScaleType scale_type;
+  float* out;  // M x N
+  int M, N, K, bits, group;
+};
+
+// A float16's bits as a float, exactly (where the CPU has no F16C).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
+
+// x's rows as the kernel reads them (see above), into `out` (rows x K).
+void x_order(const float* x, int rows, int K, int bits, float* out);
+
+// Rows n0..n1 of W dequantized into `scratch` (n1 - n0 rows of K floats),
+// then the products of x's rows m0..m1 with them written to out.
+using BlockFn = void (*)(const Problem&, int n0, int n1, int m0, int m1, float* scratch);
+
+BlockFn block_scalar();
+BlockFn block_avx2();
+BlockFn block_avx512();
+
+// Whether the CPU runs the kernel of `isa`.
+bool supported(Isa isa);
+
+}  // namespace kvmux_native

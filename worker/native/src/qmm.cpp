@@ -1,0 +1,314 @@
+#include "qmm.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KVMUX_PAUSE() _mm_pause()
+#else
+#define KVMUX_PAUSE() std::this_thread::yield()
+#endif
+
+namespace kvmux_native {
+
+bool supported(Isa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default:
+      return true;
+  }
+#else
+  return isa == Isa::scalar;
+#endif
+}
+
+namespace {
+
+const char* const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+
+Isa best_isa() {
+  for (Isa isa : {Isa::avx512, Isa::avx2})
+    if (supported(isa)) return isa;
+  return Isa::scalar;
+}
+
+std::atomic<Isa> current_isa{best_isa()};
+
+BlockFn block_for(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return block_avx512();
+    case Isa::avx2:
+      return block_avx2();
+    default:
+      return block_scalar();
+  }
+}
+
+int cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Threads that wait for work by spinning a short while (the next product
+// of a decode step comes within microseconds), then sleep on a futex
+// (std::atomic::wait) so an idle worker costs nothing.
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { loop(); });
+  }
+
+  ~Pool() {
+    stop_ = true;
+    generation_.fetch_add(1);
+    generation_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  int size() const { return int(workers_.size()) + 1; }
+
+  // items(i) for every i in [0, count), over the pool and the caller.
+  template <class F>
+  void run(int count, F&& items) {
+    if (workers_.empty() || count == 1) {
+      for (int i = 0; i < count; ++i) items(i);
+      return;
+    }
+    Task task = [&items](int i) { items(i); };
+    task_ = &task;
+    count_ = count;
+    next_.store(0);
+    done_.store(0);
+    generation_.fetch_add(1, std::memory_order_release);
+    if (sleeping_.load() > 0) generation_.notify_all();
+    work();
+    while (done_.load(std::memory_order_acquire) < int(workers_.size())) KVMUX_PAUSE();
+  }
+
+ private:
+  using Task = std::function<void(int)>;
+  static constexpr int SPIN = 2000;  // pauses (~40 us) before sleeping: the next product of a step comes sooner
+
+  void work() {
+    for (int i = next_.fetch_add(1); i < count_; i = next_.fetch_add(1)) (*task_)(i);
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load();
+    while (true) {
+      for (int spin = 0; generation_.load(std::memory_order_acquire) == seen; ++spin) {
+        if (spin < SPIN) {
+          KVMUX_PAUSE();
+          continue;
+        }
+        sleeping_.fetch_add(1);
+        generation_.wait(seen);
+        sleeping_.fetch_sub(1);
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      if (stop_) return;
+      work();
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> next_{0}, done_{0}, sleeping_{0};
+  const Task* task_ = nullptr;
+  int count_ = 0;
+  std::atomic<bool> stop_{false};
+};
+
+std::mutex pool_mutex;  // one product at a time (MLX runs a stream's tasks in order anyway)
+std::unique_ptr<Pool> pool = std::make_unique<Pool>(cores());
+
+ScaleType scale_type(mx::Dtype dtype) {
+  if (dtype == mx::float16) return ScaleType::float16;
+  if (dtype == mx::bfloat16) return ScaleType::bfloat16;
+  if (dtype == mx::float32) return ScaleType::float32;
+  throw std::invalid_argument("[kvmux_native] scales and biases must be float16, bfloat16 or float32");
+}
+
+void compute(Problem p, BlockFn block) {
+  // Items: ROWS weight rows (dequantized into a thread's scratch, ~32 KB:
+  // they stay in L1/L2 while every row of x passes them) by up to XROWS
+  // rows of x (~256 KB, held in L2 while the weight rows are computed).
+  constexpr int XROWS = 64;
+  const int rows = std::max(4, (8192 / p.K) / 4 * 4);
+  const int nchunks = (p.N + rows - 1) / rows, mchunks = (p.M + XROWS - 1) / XROWS;
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  pool->run(nchunks * mchunks, [&](int item) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < size_t(rows) * p.K) scratch.resize(size_t(rows) * p.K);
+    const int n0 = (item / mchunks) * rows, m0 = (item % mchunks) * XROWS;
+    block(p, n0, std::min(p.N, n0 + rows), m0, std::min(p.M, m0 + XROWS), scratch.data());
+  });
+}
+
+}  // namespace
+
+const float* contiguous_rows(const mx::array& x, std::vector<float>& copy) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  copy.resize(x.size());
+  const float* src = x.data<float>();
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  for (size_t i = 0; i < copy.size(); ++i) {
+    size_t rest = i;
+    int64_t at = 0;
+    for (int d = int(shape.size()) - 1; d >= 0; --d) {
+      at += int64_t(rest % shape[d]) * strides[d];
+      rest /= shape[d];
+    }
+    copy[i] = src[at];
+  }
+  return copy.data();
+}
+
+void x_order(const float* x, int rows, int K, int bits, float* out) {
+  if (bits != 4) {
+    std::memcpy(out, x, sizeof(float) * size_t(rows) * K);
+    return;
+  }
+  for (size_t at = 0; at < size_t(rows) * K; at += 32)
+    for (int l = 0; l < 16; ++l) {
+      out[at + l] = x[at + 2 * l];
+      out[at + 16 + l] = x[at + 2 * l + 1];
+    }
+}
+
+mx::array qmatmul(
+    const mx::array& x_in,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.qmatmul] " + what); };
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    fail("group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array of packed codes");
+  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype())
+    fail("scales and biases must be 2-D arrays of one shape and dtype");
+  scale_type(scales.dtype());
+  const int N = w.shape(0), K = w.shape(1) * 32 / bits;
+  if (scales.shape(0) != N || scales.shape(1) * group_size != K)
+    fail("scales and biases must have one value per group of each row of w");
+  if (x_in.ndim() < 1 || x_in.shape(-1) != K)
+    fail("x's last dimension (" + std::to_string(x_in.ndim() ? x_in.shape(-1) : 0) + ") must be w's " +
+         std::to_string(K) + " inputs");
+  const bool floating = mx::issubdtype(x_in.dtype(), mx::floating);
+  if (!floating) fail("x must be a floating-point array");
+  auto stream = mx::to_stream({}, mx::Device::cpu);
+  auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
+  auto shape = x.shape();
+  shape.back() = N;
+  auto out = mx::array(
+      shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits), {x, w, scales, biases});
+  return x_in.dtype() == mx::float32 ? out : mx::astype(out, x_in.dtype(), stream);
+}
+
+void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  for (const auto* a : {&w, &scales, &biases})
+    if (!a->flags().row_contiguous)
+      throw std::invalid_argument("[kvmux_native.qmatmul] w, scales and biases must be row-contiguous");
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(out);
+  const int N = w.shape(0), K = w.shape(1) * 32 / bits_;
+  Problem p{
+      nullptr,
+      w.data<uint8_t>(),
+      scales.data<void>(),
+      biases.data<void>(),
+      scale_type(scales.dtype()),
+      out.data<float>(),
+      int(x.size() / K),
+      N,
+      K,
+      bits_,
+      group_size_};
+  BlockFn block = block_for(current_isa.load());
+  encoder.dispatch([p, block, x]() mutable {
+    if (p.M == 0) return;
+    thread_local std::vector<float> copy, ordered;  // the stream thread's, reused
+    p.x = contiguous_rows(x, copy);
+    if (p.bits == 4) {
+      ordered.resize(x.size());
+      x_order(p.x, p.M, p.K, p.bits, ordered.data());
+      p.x = ordered.data();
+    }
+    compute(p, block);
+  });
+}
+
+void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[kvmux_native.qmatmul] runs on the CPU only (on a GPU, MLX's own quantized_matmul)");
+}
+
+bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const QuantizedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+std::string isa() { return ISA_NAMES[int(current_isa.load())]; }
+
+std::vector<std::string> isas() {
+  std::vector<std::string> names;
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar})
+    if (supported(isa)) names.push_back(ISA_NAMES[int(isa)]);
+  return names;
+}
+
+void set_isa(const std::string& name) {
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+    if (name != ISA_NAMES[int(isa)]) continue;
+    if (!supported(isa)) throw std::invalid_argument("[kvmux_native] this CPU cannot run the " + name + " kernel");
+    current_isa = isa;
+    return;
+  }
+  throw std::invalid_argument("[kvmux_native] no kernel named " + name + " (avx512, avx2, scalar)");
+}
+
+int threads() { return pool->size(); }
+
+void set_threads(int n) {
+  if (n < 1) throw std::invalid_argument("[kvmux_native] threads must be at least 1");
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  if (pool->size() != n) {
+    pool.reset();
+    pool = std::make_unique<Pool>(n);
+  }
+}
+
+}  // namespace kvmux_native

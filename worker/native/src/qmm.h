@@ -1,0 +1,57 @@
+// kvmux's quantized matmul as an MLX primitive: `x @ W.T` for W in MLX's
+// affine quantized layout (nn.QuantizedLinear's weight, scales, biases),
+// computed on the CPU by the kernels of kernels.h, rows split over a pool
+// of threads of its own. It runs inside MLX's lazy graph like any op.
+
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace kvmux_native {
+
+namespace mx = mlx::core;
+
+// x (..., K) @ W.T -> (..., N), W given as MLX's packed uint32 codes (N,
+// K * bits / 32) with scales and biases (N, K / group_size).
+mx::array qmatmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits);
+
+class QuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "KvmuxQuantizedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+// x's elements (float32) in row-major order: its own data where it is
+// row-contiguous, else gathered into `copy`.
+const float* contiguous_rows(const mx::array& x, std::vector<float>& copy);
+
+// The instruction set the kernel runs ("avx512", "avx2", "scalar"), and
+// every one this CPU can run, best first.
+std::string isa();
+std::vector<std::string> isas();
+void set_isa(const std::string& name);  // throws std::invalid_argument for one this CPU cannot run
+
+// Threads the kernel splits its rows over (the calling thread included).
+int threads();
+void set_threads(int n);
+
+}  // namespace kvmux_native
