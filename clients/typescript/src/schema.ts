@@ -253,6 +253,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["pad_cost", "float", 1.0],
     ["calibrate_s", "float", 0.0],
     ["layout", "str", ""],
+    ["kernel", "str", ""],
   ]},
   "StoredSession": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
@@ -618,6 +619,7 @@ export interface Compute {
   padCost?: number;
   calibrateS?: number;
   layout?: string;
+  kernel?: string;
 }
 
 export interface StoredSession {
