@@ -113,7 +113,7 @@ def perf(
     transformers: bool = typer.Option(True, help="Compare with transformers/PyTorch where torch is installed."),
     stall_tokens: int = typer.Option(2000, help="prefill_stall: tokens another session appends while 2 stream."),
     stall_pairs: int = typer.Option(3, help="prefill_stall: interleaved (alone, during the append) pairs."),
-    only: str | None = typer.Option(None, help="Run one part only: speculative."),
+    only: str | None = typer.Option(None, help="Run one part only: speculative or cpu."),
     spec_pairs: int = typer.Option(2, help="speculative: interleaved (off, on) pairs per workload."),
     spec_tokens: int = typer.Option(160, help="speculative: most tokens per reply."),
     draft_model: str | None = typer.Option(
@@ -149,8 +149,8 @@ def perf(
         draft_model=draft_model,
         draft_quantized=draft_quantized,
     )
-    if only not in (None, "speculative"):
-        raise typer.BadParameter("--only takes: speculative")
+    if only not in (None, "speculative", "cpu"):
+        raise typer.BadParameter("--only takes: speculative, cpu")
     families = kernel_runs.parse(kernels)
     if kernel_runs.child() is None:
         doc = kernel_runs.run_each("perf", families, output, asdict(cfg))

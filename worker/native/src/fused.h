@@ -33,6 +33,34 @@ mx::array rope(
     float scale,
     const std::optional<mx::array>& freqs);
 
+// Decode rows' attention over one layer of a slab, one op: q (rows, heads,
+// 1, D) or (rows, heads, D), already scaled and rotated; keys and values
+// the slab's (1, kv heads, slots, D), read at slots [0, length) (the new
+// rows' keys already written there); mask an additive (rows, >= length)
+// mask or none. Returns (1, rows, heads * D): per row and head the scores,
+// a precise softmax (max subtracted) and the weighted sum of values, each
+// pair alone in a fixed order, so a row's output is the same in any pass.
+mx::array attend(
+    const mx::array& q,
+    const mx::array& keys,
+    const mx::array& values,
+    int length,
+    const std::optional<mx::array>& mask);
+
+class Attend : public mx::UnaryPrimitive {
+ public:
+  Attend(mx::Stream stream, int length) : mx::UnaryPrimitive(stream), length_(length) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "KvmuxAttend"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return length_ == static_cast<const Attend&>(other).length_;
+  }
+
+ private:
+  int length_;
+};
+
 class RMSNorm : public mx::UnaryPrimitive {
  public:
   RMSNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}

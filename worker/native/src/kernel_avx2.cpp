@@ -48,9 +48,11 @@ struct V {
 };
 
 #include "block.h"
+#include "attend.h"
 
 }  // namespace avx2
 
+AttendFn attend_avx2() { return &avx2::attend_one; }
 BlockFn block_avx2() { return &avx2::block<avx2::V, 2, 2, 2>; }
 
 }  // namespace kvmux_native
@@ -59,5 +61,6 @@ BlockFn block_avx2() { return &avx2::block<avx2::V, 2, 2, 2>; }
 #else
 namespace kvmux_native {
 BlockFn block_avx2() { return nullptr; }
+AttendFn attend_avx2() { return nullptr; }
 }  // namespace kvmux_native
 #endif

@@ -38,9 +38,11 @@ struct V {
 };
 
 #include "block.h"
+#include "attend.h"
 
 }  // namespace avx512
 
+AttendFn attend_avx512() { return &avx512::attend_one; }
 BlockFn block_avx512() { return &avx512::block<avx512::V, 4, 4, 4>; }
 
 }  // namespace kvmux_native
@@ -49,5 +51,6 @@ BlockFn block_avx512() { return &avx512::block<avx512::V, 4, 4, 4>; }
 #else
 namespace kvmux_native {
 BlockFn block_avx512() { return nullptr; }
+AttendFn attend_avx512() { return nullptr; }
 }  // namespace kvmux_native
 #endif

@@ -54,9 +54,11 @@ struct V {
 };
 
 #include "block.h"
+#include "attend.h"
 
 }  // namespace scalar
 
+AttendFn attend_scalar() { return &scalar::attend_one; }
 BlockFn block_scalar() { return &scalar::block<scalar::V, 1, 1, 1>; }
 
 }  // namespace kvmux_native

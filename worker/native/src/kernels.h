@@ -62,6 +62,26 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// Decode rows' attention over one layer of a slab (attend.h): q (rows,
+// heads, D), keys and values (kv heads, slots, D) read at slots [0,
+// length), an additive mask (rows, mask_stride) or none; out (rows, heads, D).
+struct Attention {
+  const float* q;
+  const float* keys;
+  const float* values;
+  const float* mask;
+  float* out;
+  int rows, heads, kv_heads, D, length;
+  size_t kv_stride, mask_stride;
+};
+
+// One (row, head) of an Attention; `scores` holds `length` floats.
+using AttendFn = void (*)(const Attention&, int row, int head, float* scores);
+
+AttendFn attend_scalar();
+AttendFn attend_avx2();
+AttendFn attend_avx512();
+
 enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
 
 // x's rows as the kernel reads them (see above), into `out` (rows x K).

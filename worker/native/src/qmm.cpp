@@ -281,6 +281,22 @@ bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   return group_size_ == o.group_size_ && bits_ == o.bits_;
 }
 
+void parallel_for(int count, const std::function<void(int)>& items) {
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  pool->run(count, items);
+}
+
+AttendFn attend_kernel() {
+  switch (current_isa.load()) {
+    case Isa::avx512:
+      return attend_avx512();
+    case Isa::avx2:
+      return attend_avx2();
+    default:
+      return attend_scalar();
+  }
+}
+
 std::string isa() { return ISA_NAMES[int(current_isa.load())]; }
 
 std::vector<std::string> isas() {

@@ -5,8 +5,11 @@
 
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "kernels.h"
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -43,6 +46,12 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 // x's elements (float32) in row-major order: its own data where it is
 // row-contiguous, else gathered into `copy`.
 const float* contiguous_rows(const mx::array& x, std::vector<float>& copy);
+
+// items(i) for every i in [0, count), over the kernel's threads.
+void parallel_for(int count, const std::function<void(int)>& items);
+
+// The attention kernel of the instruction set in use.
+AttendFn attend_kernel();
 
 // The instruction set the kernel runs ("avx512", "avx2", "scalar"), and
 // every one this CPU can run, best first.

@@ -1,0 +1,230 @@
+"""`kvmux bench perf --only cpu` (a part of every `bench perf` run): where
+the CPU kernel (worker/native) stands against the machine and the peers,
+at the daemon's default settings (window 2048 + sink 4), measured side by
+side in one run:
+
+- bandwidth: a STREAM-like copy (the bench's threads, 256 MB arrays),
+  GB/s counting bytes read and written: the machine's memory bandwidth
+  right now;
+- kernel: the model's quantized products of one decode step (every
+  projection and the head, one row each) evaluated on their own: weight
+  bytes read per second, and that against the copy's bandwidth (the
+  physical limit's yardstick);
+- vs_llama_cpp: one session's greedy decode through the daemon against
+  llama.cpp (llama-cpp-python on the same GGUF, the same thread count, a
+  child process per run), interleaved pairs, the same prompt tokens;
+- vs_float32: the same decode, and a 1,000-token message's prefill, on a
+  daemon with `--cpu-kernel off` (float32 copies of the weights: what a
+  worker did before, and does where the kernel is not built),
+  interleaved with the kernel's daemon;
+- memory: each daemon's worker's resident set after its runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from kvmux.client import Client
+
+from . import spawn
+from .peers import rss_kb
+from .report import ratio_summary
+
+COPY_BYTES = 256 << 20
+PREFILL_TOKENS = 1000
+LLAMA_CPP_CONTEXT = 4096
+
+
+def bandwidth(threads: int, repeats: int = 5) -> dict:
+    """Best STREAM-like copy rate over `threads` threads (numpy's copy
+    releases the GIL), bytes read plus bytes written."""
+    src = np.ones(COPY_BYTES // 4, np.float32)
+    dst = np.empty_like(src)
+    parts = np.array_split(np.arange(src.size), threads)
+    spans = [(int(p[0]), int(p[-1]) + 1) for p in parts]
+    best = float("inf")
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in spans]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t0)
+    return {"threads": threads, "copy_gb_per_s": round(2 * src.nbytes / best / 1e9, 2)}
+
+
+def kernel_rate(loaded, repeats: int = 20) -> dict:
+    """One decode step's quantized products, alone: bytes of weights per second."""
+    import mlx.core as mx
+    from mlx import nn
+
+    model = loaded.model
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    if not linears:
+        return {"kernel": loaded.kernel.describe(), "note": "no quantized weights: float32 products"}
+    inputs = {id(m): mx.random.normal((1, m.weight.shape[1] * 32 // m.bits)) for m in linears}
+    embed = model.model.embed_tokens
+    head = isinstance(embed, nn.QuantizedEmbedding) and "lm_head" not in model
+    h = mx.random.normal((1, embed.weight.shape[1] * 32 // embed.bits)) if head else None
+
+    def step() -> list:
+        outs = [m(inputs[id(m)]) for m in linears]
+        return [*outs, embed.as_linear(h)] if head else outs
+
+    mx.eval(step())
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(step())
+        best = min(best, time.perf_counter() - t0)
+    modules = [*linears, embed] if head else linears
+    weight_bytes = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in modules)
+    return {
+        "kernel": loaded.kernel.describe(),
+        "products": len(modules),
+        "weight_mb": round(weight_bytes / 1e6, 1),
+        "step_ms": round(best * 1000, 2),
+        "gb_per_s": round(weight_bytes / best / 1e9, 2),
+    }
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_cpp_decode(gguf: str, prompt_ids: list[int], tokens: int, threads: int) -> dict:
+    """llama.cpp's greedy decode of `tokens` after `prompt_ids`, in a child
+    process (its threads and memory apart from the daemon's)."""
+    args = json.dumps({"gguf": gguf, "prompt": prompt_ids, "tokens": tokens, "threads": threads})
+    done = subprocess.run(
+        [sys.executable, "-c", "from kvmux.bench.cpu import llama_cpp_child; llama_cpp_child()", args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if done.returncode:
+        raise RuntimeError(f"llama.cpp run failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_child() -> None:
+    """The child's side: load, prefill, decode greedily, print the timings."""
+    from llama_cpp import Llama
+
+    args = json.loads(sys.argv[1])
+    llm = Llama(
+        model_path=args["gguf"],
+        n_ctx=LLAMA_CPP_CONTEXT,
+        n_threads=args["threads"],
+        n_threads_batch=args["threads"],
+        verbose=False,
+    )
+    stamps, ids = [], []
+    start = time.perf_counter()
+    for token in llm.generate(args["prompt"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        stamps.append(time.perf_counter())
+        ids.append(token)
+        if len(ids) == args["tokens"]:
+            break
+    print(
+        json.dumps(
+            {
+                "engine": "llama.cpp (llama-cpp-python)",
+                "threads": args["threads"],
+                "first_token_s": stamps[0] - start,
+                "decode_tokens_per_s": (len(ids) - 1) / (stamps[-1] - stamps[0]),
+                "rss_kb": rss_kb(os.getpid()),
+                "token_ids": ids,
+            }
+        )
+    )
+
+
+def _decode(client: Client, prompt_ids: list[int], tokens: int) -> dict:
+    """One session's greedy decode through a daemon, timed on the client
+    from the first chunk to the last (as bench perf times the stack)."""
+    with client.open_session() as session:
+        session.append(token_ids=prompt_ids)
+        stamps, count = [], 0
+        stream = session.generate(max_tokens=tokens, temperature=0.0, speculative="off")
+        for chunk in stream:
+            stamps.append(time.perf_counter())
+            count += len(chunk.token_ids)
+        ids = session.info(token_ids=True).token_ids[len(prompt_ids) :]
+    return {"decode_tokens_per_s": (count - 1) / (stamps[-1] - stamps[0]), "token_ids": ids}
+
+
+def _prefill(client: Client, message_ids: list[int]) -> float:
+    """Tokens/s of one message's prefill on a fresh session (the worker's own timing)."""
+    with client.open_session() as session:
+        appended = session.append(token_ids=message_ids)
+    return appended.new_tokens / appended.prefill_s
+
+
+def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: int, tokens: int = 64) -> dict:
+    """The part's report (see the module's docstring)."""
+    threads = len(os.sched_getaffinity(0))
+    doc: dict = {"threads": threads, "decode_tokens": tokens, "bandwidth": bandwidth(threads)}
+    doc["kernel"] = kernel_rate(loaded)
+    if "gb_per_s" in doc["kernel"]:
+        doc["kernel"]["vs_copy_bandwidth"] = round(doc["kernel"]["gb_per_s"] / doc["bandwidth"]["copy_gb_per_s"], 3)
+    message = loaded.tokenizer.encode(passage * (PREFILL_TOKENS // 20 + 1), add_special_tokens=False)[:PREFILL_TOKENS]
+    llama = llama_cpp_available()
+    progress = tqdm(total=repeats, desc="cpu kernel", unit="round")
+    with (
+        spawn.daemon(workers=1, slabs=2, model=model_path) as kernel_daemon,
+        spawn.daemon(workers=1, slabs=2, model=model_path, serve_args=("--cpu-kernel", "off")) as off_daemon,
+        Client(kernel_daemon.frontend, timeout=600) as kernel,
+        Client(off_daemon.frontend, timeout=600) as off,
+    ):
+        workers = {"kernel": kernel.stats().workers[0], "float32": off.stats().workers[0]}
+        doc["compute"] = {name: w.compute.kernel for name, w in workers.items()}
+        vs_llama, vs_off, prefill = [], [], []
+        last: dict = {}
+        for _ in range(repeats):
+            if llama:
+                last["llama_cpp"] = llama_cpp_decode(model_path, story_ids, tokens, threads)
+            last["kvmux"] = _decode(kernel, story_ids, tokens)
+            last["float32"] = _decode(off, story_ids, tokens)
+            if llama:
+                vs_llama.append((last["llama_cpp"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
+            vs_off.append((last["float32"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
+            prefill.append((_prefill(off, message), _prefill(kernel, message)))
+            progress.update()
+        progress.close()
+        doc["vs_llama_cpp_decode"] = ratio_summary(vs_llama) if llama else None
+        doc["vs_float32_decode"] = ratio_summary(vs_off)
+        doc["vs_float32_prefill_1000"] = ratio_summary(prefill)
+        doc["same_tokens_as_float32"] = last["kvmux"]["token_ids"] == last["float32"]["token_ids"]
+        if llama:
+            doc["same_tokens_as_llama_cpp"] = last["kvmux"]["token_ids"] == last["llama_cpp"]["token_ids"]
+            doc["llama_cpp_rss_mb"] = round(last["llama_cpp"]["rss_kb"] / 1024, 1)
+        doc["worker_rss_mb"] = {name: round(rss_kb(w.pid) / 1024, 1) for name, w in workers.items()}
+    return doc
+
+
+def ratios(doc: dict) -> dict:
+    """The part's headline numbers for `bench perf`'s ratios."""
+    out = {
+        "cpu_decode_vs_float32": doc["vs_float32_decode"]["median"],
+        "cpu_prefill_1000_vs_float32": doc["vs_float32_prefill_1000"]["median"],
+        "cpu_worker_rss_vs_float32": round(doc["worker_rss_mb"]["kernel"] / doc["worker_rss_mb"]["float32"], 3),
+    }
+    if doc["vs_llama_cpp_decode"]:
+        out["cpu_decode_vs_llama_cpp"] = doc["vs_llama_cpp_decode"]["median"]
+    if "vs_copy_bandwidth" in doc["kernel"]:
+        out["cpu_kernel_gb_per_s_vs_copy"] = doc["kernel"]["vs_copy_bandwidth"]
+    return out

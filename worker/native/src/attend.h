@@ -1,0 +1,76 @@
+// Attention of decode rows over a slab, the body of kernels.h's AttendFn:
+// written as plain loops over 16 lanes, compiled by each instruction
+// set's file (after its #pragma GCC target, as block.h) so the compiler
+// vectorises them there; -ffp-contract=off keeps every product and sum
+// the same on each. Each (row, head) pair is computed on its own, in a
+// fixed order: a row's output never depends on the others.
+
+namespace {
+
+// Σ a[i] * b[i] over D (a multiple of 16) in 16 lanes, then the lanes' tree.
+inline float dot16(const float* a, const float* b, int D) {
+  float lanes[16] = {};
+  for (int i = 0; i < D; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// exp(x) for x <= 0 (scores less their maximum), Cephes' expf: within 2
+// ulp, in operations a vector unit has (no libm call, so the loop
+// vectorises).
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * r) * r + r + 1.0f;
+  const int e = int(n) + 127;
+  float scale;
+  const uint32_t bits = uint32_t(e) << 23;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+// One (row, head): scores against slots [0, length), masked where
+// mask[j] is -inf (those weigh exactly nothing), softmax, weighted sum.
+void attend_one(const kvmux_native::Attention& a, int row, int head, float* scores) {
+  const int D = a.D, length = a.length;
+  const int kv = head / (a.heads / a.kv_heads);
+  const float* q = a.q + (size_t(row) * a.heads + head) * D;
+  const float* keys = a.keys + size_t(kv) * a.kv_stride;
+  const float* values = a.values + size_t(kv) * a.kv_stride;
+  const float* mask = a.mask ? a.mask + size_t(row) * a.mask_stride : nullptr;
+  float top = -__builtin_inff();
+  for (int j = 0; j < length; ++j) {
+    float s = dot16(q, keys + size_t(j) * D, D);
+    if (mask) s += mask[j];
+    scores[j] = s;
+    top = s > top ? s : top;
+  }
+  float total = 0.0f;
+  for (int j = 0; j < length; ++j) {
+    const float p = scores[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(scores[j] - top);
+    scores[j] = p;
+    total += p;
+  }
+  float* out = a.out + (size_t(row) * a.heads + head) * D;
+  for (int d = 0; d < D; ++d) out[d] = 0.0f;
+  for (int j = 0; j < length; ++j) {
+    const float p = scores[j];
+    if (p == 0.0f) continue;
+    const float* v = values + size_t(j) * D;
+    for (int d = 0; d < D; ++d) out[d] += p * v[d];
+  }
+  const float inv = 1.0f / total;
+  for (int d = 0; d < D; ++d) out[d] *= inv;
+}
+
+}  // namespace
