@@ -182,7 +182,7 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
     if "gb_per_s" in doc["kernel"]:
         doc["kernel"]["vs_copy_bandwidth"] = round(doc["kernel"]["gb_per_s"] / doc["bandwidth"]["copy_gb_per_s"], 3)
     message = loaded.tokenizer.encode(passage * (PREFILL_TOKENS // 20 + 1), add_special_tokens=False)[:PREFILL_TOKENS]
-    llama = llama_cpp_available()
+    llama = llama_cpp_available() and model_path.endswith(".gguf")
     progress = tqdm(total=repeats, desc="cpu kernel", unit="round")
     with (
         spawn.daemon(workers=1, slabs=2, model=model_path) as kernel_daemon,

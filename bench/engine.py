@@ -7,6 +7,9 @@ has it), as ratios of two sides measured in interleaved repeats (A B A B
 - prefill: a 24-token message at a full window against an empty cache;
 - shared passes: tokens/s of 8 and 16 sessions decoding together against
   one, at an empty and at a full window;
+- verify passes: a pass of 9 and of 17 decode rows (a speculative verify
+  pass: a token and its drafts, taken back after) against a one-token
+  step, at a full window;
 - before/after: the same decode and prefill through mlx-lm's own forward
   pass and its stock RotatingKVCache (what the worker ran before
   worker/attention.py), against the worker's pass;
@@ -34,6 +37,7 @@ from tqdm import tqdm
 from .report import ReportWriter, ratio_summary
 
 MESSAGE_TOKENS = 24
+VERIFY_ROWS = (9, 17)  # a token and 8 drafts (the lookup's usual k), and the most a pass verifies
 
 
 @dataclass
@@ -152,6 +156,22 @@ class Bench:
             mx.eval(logits, [[c.state for c in slab] for slab in slabs])
         return n * len(slabs) / (time.perf_counter() - started)
 
+    def pass_s(self, cache: list, rows: int) -> float:
+        """Seconds of a pass of `rows` decode rows, each taken back after."""
+        from kvmux.worker.forward import Segment, forward
+        from kvmux.worker.slab import rewind
+
+        mx = self.mx
+        n = self.cfg.decode_tokens
+        started = time.perf_counter()
+        for i in range(n):
+            logits = forward(
+                self.model, [Segment(mx.array([100 + i + j for j in range(rows)]), cache, True)], self.floors
+            )
+            mx.eval(logits, [c.state for c in cache])
+            rewind(cache, rows)
+        return (time.perf_counter() - started) / n
+
     def interleaved(self, a: Callable[[], float], b: Callable[[], float], bar: tqdm) -> dict:
         pairs = []
         for _ in range(self.cfg.repeats):
@@ -166,7 +186,7 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
     results: dict = {}
     writer.doc["padding"] = asdict(bench.padding)
     writer.doc["results"] = results
-    cases = len(cfg.windows) * (6 + 2 * len(cfg.sessions))
+    cases = len(cfg.windows) * (6 + len(VERIFY_ROWS) + 2 * len(cfg.sessions))
     padded = bench.padding.calibrated
     with tqdm(total=cases * cfg.repeats, desc="engine", unit="pair", disable=not progress) as bar:
         for window in cfg.windows:
@@ -195,6 +215,10 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
             r["decode_full_batch_invariant_vs_default"] = bench.interleaved(
                 lambda f=full: bench.decode_tps(f), lambda f=full: bench.decode_tps(f, floors=padded), bar
             )
+            for rows in VERIFY_ROWS:
+                r[f"verify_{rows}_rows_vs_step_full"] = bench.interleaved(
+                    lambda f=full: bench.pass_s(f, 1), lambda f=full, n=rows: bench.pass_s(f, n), bar
+                )
             eight = [full] + [bench.copy(full) for _ in range(7)]
             r["shared_8_full_batch_invariant_vs_default"] = bench.interleaved(
                 lambda k=eight: bench.shared_tps(k), lambda k=eight: bench.shared_tps(k, floors=padded), bar

@@ -73,9 +73,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     cpu_kernel: Annotated[
         Literal["auto", "avx512", "avx2", "scalar", "off"],
         doc(
-            "What multiplies a quantized model's weights on a CPU: kvmux's own kernel reading them as stored"
-            " (auto: the best instruction set this CPU runs; avx512, avx2 or scalar to force one), or off:"
-            " float32 copies of the weights (5.6x the bytes a token reads for a Q4_1 GGUF).",
+            "CPU kernel for quantized weights, read as stored (auto: the CPU's best); off: float32 copies.",
             envvar="KVMUX_CPU_KERNEL",
         ),
     ] = "auto"
