@@ -7,7 +7,9 @@
 // V provides: vec, zero(), set1(f), load(p), store(p, v), fma(a, b, c)
 // (a * b + c, one rounding), hsum(v) (the fixed tree of kernels.h),
 // codes4(p, even, odd) (32 4-bit codes from 16 bytes), codes8(p) (16 8-bit codes) and
-// half(h) (a float16's bits to float).
+// half(h) (a float16's bits to float), halves16(p, out) (16 of them).
+// TABLE4 (bool): whether it has table(s, b) (the 16 values fma(q, s, b),
+// q = 0..15) and lookup4(p, table, even, odd) (32 4-bit codes' values).
 // The including file has <cstring> and kernels.h included before.
 
 namespace {
@@ -24,6 +26,16 @@ inline float scale_at(const void* base, size_t i) {
   } else {
     return static_cast<const float*>(base)[i];
   }
+}
+
+// `count` scales (or biases) from `first` on, as floats: 16 float16 at a
+// time where the instruction set converts them (V::halves16).
+template <class V, kvmux_native::ScaleType ST>
+inline void to_floats(const void* base, size_t first, int count, float* out) {
+  int i = 0;
+  if constexpr (ST == kvmux_native::ScaleType::float16)
+    for (; i + 16 <= count; i += 16) V::halves16(static_cast<const uint16_t*>(base) + first + i, out + i);
+  for (; i < count; ++i) out[i] = scale_at<V, ST>(base, first + i);
 }
 
 // 16 codes of any width: a little-endian bit stream (MLX packs 3, 5 and 6
@@ -56,6 +68,32 @@ inline void codes(const uint8_t* row, int k, typename V::vec& a, typename V::vec
   }
 }
 
+// The 32 weights of a row from k on, `q * scale + bias` each, in the
+// kernel's order. With 4 bits where the instruction set permutes a
+// register by index (V::TABLE4), the group's 16 possible weights are made
+// once (`table`, V::table: the same fused multiply-add per code) and the
+// codes look them up: the same values, fewer operations.
+template <class V, int BITS>
+inline void weights32(const uint8_t* row, int k, const typename V::vec& s, const typename V::vec& b,
+                      const typename V::vec& table, typename V::vec& lo, typename V::vec& hi) {
+  if constexpr (BITS == 4 && V::TABLE4) {
+    V::lookup4(row + k / 2, table, lo, hi);
+  } else {
+    codes<V, BITS>(row, k, lo, hi);
+    lo = V::fma(lo, s, b);
+    hi = V::fma(hi, s, b);
+  }
+}
+
+template <class V, int BITS>
+inline typename V::vec table_of(const typename V::vec& s, const typename V::vec& b) {
+  if constexpr (BITS == 4 && V::TABLE4) {
+    return V::table(s, b);
+  } else {
+    return s;  // unused
+  }
+}
+
 template <class V, int BITS, kvmux_native::ScaleType ST>
 void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
   const int K = p.K, group = p.group, groups = K / group;
@@ -64,11 +102,12 @@ void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
   for (int g = 0; g < groups; ++g) {
     const auto s = V::set1(scale_at<V, ST>(p.scales, first + g));
     const auto b = V::set1(scale_at<V, ST>(p.biases, first + g));
+    const auto table = table_of<V, BITS>(s, b);
     for (int k = g * group; k < (g + 1) * group; k += 32) {
       typename V::vec lo, hi;
-      codes<V, BITS>(row, k, lo, hi);
-      V::store(dst + k, V::fma(lo, s, b));
-      V::store(dst + k + 16, V::fma(hi, s, b));
+      weights32<V, BITS>(row, k, s, b, table, lo, hi);
+      V::store(dst + k, lo);
+      V::store(dst + k + 16, hi);
     }
   }
 }
@@ -76,18 +115,26 @@ void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
 // Few rows of x (a decode step, a verify pass): NB weight rows dequantized
 // in registers as they are read, each multiplied into MB rows of x at
 // once; the same products and sums as the scratch path below.
+constexpr int AHEAD = 1;
+
 template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
 void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
   const int K = p.K, group = p.group, groups = K / group;
   const size_t row_bytes = size_t(K) * BITS / 8;
+  // The block's scales and biases as floats, converted 16 at a time (one
+  // broadcast load each in the loop below, not a conversion).
+  thread_local std::vector<float> converted;
+  converted.resize(size_t(2) * NB * groups + 16);
+  float* scale = converted.data();
+  float* bias = scale + size_t(NB) * groups;
   for (int nb = n0; nb < n1; nb += NB) {
     const int nn = n1 - nb < NB ? n1 - nb : NB;
     const uint8_t* rows[NB];
-    size_t firsts[NB];
     for (int j = 0; j < NB; ++j) {
       const int n = nb + (j < nn ? j : 0);  // past the end: row nb again, its results dropped
       rows[j] = p.w + n * row_bytes;
-      firsts[j] = size_t(n) * groups;
+      to_floats<V, ST>(p.scales, size_t(n) * groups, groups, scale + size_t(j) * groups);
+      to_floats<V, ST>(p.biases, size_t(n) * groups, groups, bias + size_t(j) * groups);
     }
     typename V::vec acc[MB][NB];
 #pragma GCC unroll 8
@@ -96,19 +143,21 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
       for (int j = 0; j < NB; ++j)
         acc[i][j] = V::zero();
     for (int g = 0; g < groups; ++g) {
-      typename V::vec s[NB], b[NB];
+      typename V::vec s[NB], b[NB], table[NB];
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) {
-        s[j] = V::set1(scale_at<V, ST>(p.scales, firsts[j] + g));
-        b[j] = V::set1(scale_at<V, ST>(p.biases, firsts[j] + g));
+        s[j] = V::set1(scale[size_t(j) * groups + g]);
+        b[j] = V::set1(bias[size_t(j) * groups + g]);
+        table[j] = table_of<V, BITS>(s[j], b[j]);
       }
       for (int k = g * group; k < (g + 1) * group; k += 32) {
         typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j) {
-          codes<V, BITS>(rows[j], k, lo[j], hi[j]);
-          lo[j] = V::fma(lo[j], s[j], b[j]);
-          hi[j] = V::fma(hi[j], s[j], b[j]);
+          // The rows AHEAD blocks on, a cache line at a time: the
+          // prefetchers follow a row's stream, not the jump to the next rows.
+          if ((k * BITS / 8) % 64 == 0) __builtin_prefetch(rows[j] + AHEAD * NB * row_bytes + k * BITS / 8);
+          weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < MB; ++i) {

@@ -2,6 +2,7 @@
 // so the sums are the AVX-512 kernel's, bit for bit.
 
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -14,7 +15,12 @@ namespace kvmux_native {
 namespace avx2 {
 
 struct V {
+  static constexpr bool TABLE4 = false;  // a 16-entry lookup takes two 8-lane permutes and a blend here
   static float half(uint16_t h) { return _cvtsh_ss(h); }
+  static void halves16(const uint16_t* p, float* out) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+  }
   struct vec {
     __m256 lo, hi;
   };

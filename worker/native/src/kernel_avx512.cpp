@@ -1,6 +1,7 @@
 // AVX-512F: a 16-lane vector is one 512-bit register.
 
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -14,12 +15,26 @@ namespace avx512 {
 
 struct V {
   static float half(uint16_t h) { return _cvtsh_ss(h); }
+  static void halves16(const uint16_t* p, float* out) {
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
   using vec = __m512;
   static vec zero() { return _mm512_setzero_ps(); }
   static vec set1(float f) { return _mm512_set1_ps(f); }
   static vec load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static constexpr bool TABLE4 = true;
+  static vec table(vec s, vec b) {
+    const vec q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(q, s, b);
+  }
+  // vpermps reads an index's low 4 bits: the byte's high nibble needs no mask.
+  static void lookup4(const uint8_t* p, vec table, vec& even, vec& odd) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    even = _mm512_permutexvar_ps(bytes, table);
+    odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
   static float hsum(vec a) {
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), hi);  // lane i: i + (i + 8)

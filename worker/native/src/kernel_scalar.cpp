@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -11,7 +12,11 @@ namespace kvmux_native {
 namespace scalar {
 
 struct V {
+  static constexpr bool TABLE4 = false;
   static float half(uint16_t h) { return kvmux_native::half_to_float(h); }
+  static void halves16(const uint16_t* p, float* out) {
+    for (int i = 0; i < 16; ++i) out[i] = kvmux_native::half_to_float(p[i]);
+  }
   struct vec {
     float v[16];
   };

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -68,9 +69,15 @@ int cores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// Threads that wait for work by spinning a short while (the next product
-// of a decode step comes within microseconds), then sleep on a futex
-// (std::atomic::wait) so an idle worker costs nothing.
+// Threads that share a product's items with the caller. Items are claimed
+// from one atomic word holding the job's generation (high half) and its
+// next item (low half), so a thread that wakes late claims nothing of a
+// later job, and the caller waits for the items, never for a thread: when
+// the cores are busy with other work (Python building the next step, other
+// processes), the caller runs every item itself instead of waiting out a
+// descheduled thread's time slice. Idle threads spin a short while (the
+// next product of a decode step comes within microseconds), then sleep on
+// a condition variable, costing nothing.
 class Pool {
  public:
   explicit Pool(int threads) {
@@ -78,9 +85,11 @@ class Pool {
   }
 
   ~Pool() {
-    stop_ = true;
-    generation_.fetch_add(1);
-    generation_.notify_all();
+    {
+      std::lock_guard<std::mutex> lock(sleep_);
+      stop_ = true;
+    }
+    wake_.notify_all();
     for (auto& t : workers_) t.join();
   }
 
@@ -96,47 +105,64 @@ class Pool {
     Task task = [&items](int i) { items(i); };
     task_ = &task;
     count_ = count;
-    next_.store(0);
-    done_.store(0);
-    generation_.fetch_add(1, std::memory_order_release);
-    if (sleeping_.load() > 0) generation_.notify_all();
-    work();
-    while (done_.load(std::memory_order_acquire) < int(workers_.size())) KVMUX_PAUSE();
+    finished_.store(0, std::memory_order_relaxed);
+    const uint64_t job = (word_.load() >> 32) + 1;
+    word_.store(job << 32);
+    if (sleeping_.load() > 0) {  // seq_cst with the sleeper's increment: it sees the job or is told
+      { std::lock_guard<std::mutex> lock(sleep_); }
+      wake_.notify_all();
+    }
+    work(job);
+    for (int spin = 0; finished_.load(std::memory_order_acquire) < count; ++spin) {
+      if (spin % 256 == 255) std::this_thread::yield();  // let a descheduled claimant finish its item
+      KVMUX_PAUSE();
+    }
   }
 
  private:
   using Task = std::function<void(int)>;
-  static constexpr int SPIN = 2000;  // pauses (~40 us) before sleeping: the next product of a step comes sooner
+  static constexpr int SPIN = 200;  // pauses (~4 us) before sleeping
 
-  void work() {
-    for (int i = next_.fetch_add(1); i < count_; i = next_.fetch_add(1)) (*task_)(i);
+  // Claim and run items of `job` until none is left.
+  void work(uint64_t job) {
+    uint64_t word = word_.load(std::memory_order_acquire);
+    while ((word >> 32) == job && int(word & 0xFFFFFFFF) < count_) {
+      if (!word_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel)) continue;
+      (*task_)(int(word & 0xFFFFFFFF));
+      finished_.fetch_add(1, std::memory_order_release);
+      word = word_.load(std::memory_order_acquire);
+    }
   }
 
   void loop() {
-    uint64_t seen = generation_.load();
+    uint64_t seen = word_.load() >> 32;
     while (true) {
-      for (int spin = 0; generation_.load(std::memory_order_acquire) == seen; ++spin) {
+      for (int spin = 0; (word_.load(std::memory_order_acquire) >> 32) == seen && !stop_; ++spin) {
         if (spin < SPIN) {
           KVMUX_PAUSE();
           continue;
         }
+        // A mutex and condition variable, not std::atomic::wait: libstdc++ 12
+        // waits on 64-bit atomics through a shared proxy that can lose a wake-up.
+        std::unique_lock<std::mutex> lock(sleep_);
         sleeping_.fetch_add(1);
-        generation_.wait(seen);
+        wake_.wait(lock, [&] { return (word_.load() >> 32) != seen || stop_; });
         sleeping_.fetch_sub(1);
       }
-      seen = generation_.load(std::memory_order_acquire);
       if (stop_) return;
-      work();
-      done_.fetch_add(1, std::memory_order_release);
+      seen = word_.load(std::memory_order_acquire) >> 32;
+      work(seen);
     }
   }
 
   std::vector<std::thread> workers_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> next_{0}, done_{0}, sleeping_{0};
+  std::atomic<uint64_t> word_{0};  // job generation << 32 | next item
+  std::atomic<int> finished_{0}, sleeping_{0};
   const Task* task_ = nullptr;
   int count_ = 0;
   std::atomic<bool> stop_{false};
+  std::mutex sleep_;
+  std::condition_variable wake_;
 };
 
 std::mutex pool_mutex;  // one product at a time (MLX runs a stream's tasks in order anyway)
