@@ -35,7 +35,7 @@ $(VENV)/.setup: pyproject.toml scripts/system-deps
 # multiplies float32 copies (worker/cpu_kernel.py).
 NATIVE := worker/native
 NANOBIND := nanobind==3.1.0
-$(VENV)/.native: $(VENV)/.setup pyproject.toml $(wildcard $(NATIVE)/src/* $(NATIVE)/kvmux_native/*.py) $(NATIVE)/CMakeLists.txt $(NATIVE)/setup.py $(NATIVE)/pyproject.toml
+$(VENV)/.native: $(VENV)/.setup pyproject.toml Makefile $(wildcard $(NATIVE)/src/* $(NATIVE)/kvmux_native/*.py) $(NATIVE)/CMakeLists.txt $(NATIVE)/setup.py $(NATIVE)/pyproject.toml
 	@if [ "$$(uname -s)" = Linux ]; then \
 		scripts/system-deps --native && \
 		$(PIP) install '$(NANOBIND)' && \

@@ -85,7 +85,7 @@ def export_mlx_dir(path: Path) -> Path:
 
     from kvmux.worker.model import load
 
-    loaded = load()
+    loaded = load(kernel="off")  # float32 weights, as the directory says
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + "."))
     save_model(tmp, loaded.model, donate_model=False)

@@ -1,6 +1,8 @@
 """A local mlx-lm model directory loads and serves like the GGUF it was made
 from: the embedded model is written out with mlx-lm's own save functions,
-a worker serves it, and greedy tokens equal the GGUF path's."""
+quantized as the GGUF stores it (what an mlx-lm 4-bit directory is), a
+worker serves it with the CPU kernel, and greedy tokens equal the GGUF
+path's."""
 
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ def model_dir(tmp_path_factory):
     from kvmux.worker.model import load
 
     loaded = load()
+    assert loaded.quantized
     path = tmp_path_factory.mktemp("models") / "smollm2-mlx"
     save_model(path, loaded.model)
-    save_config(dataclasses.asdict(loaded.model.args), path / "config.json")
+    # mlx-lm reads each layer's width (Q4_1: 4 bits, the Q8_0 embedding: 8) off its saved scales
+    config = dataclasses.asdict(loaded.model.args) | {"quantization": {"group_size": 32, "bits": 4}}
+    save_config(config, path / "config.json")
     loaded.tokenizer.save_pretrained(str(path))
     return path
 
@@ -38,6 +43,7 @@ def test_mlx_lm_directory_serves_the_same_tokens(model_dir, stack_factory, share
         add_special_tokens=False,
     )
     stack = stack_factory(workers=1, slabs=1, worker_args=["--model", str(model_dir)])
+    assert stack.stats().workers[0].compute.kernel == shared_stack.stats().workers[0].compute.kernel
     model, from_dir = greedy(stack.frontend, ids)
     assert model == "smollm2-mlx"
     assert from_dir == greedy(shared_stack.frontend, ids)[1]

@@ -455,7 +455,10 @@ def test_files_that_cannot_load_are_refused(tmp_path):
         tmp_path / "phi3.gguf", {"token_embd.weight": (Q.F32, rng.standard_normal((8, 32)).astype(np.float32))}, "phi3"
     )
     _write(tmp_path / "q8_1.gguf", {"token_embd.weight": (Q.Q8_1, np.zeros((8, 40), np.uint8))})
-    for name, why in (("phi3.gguf", "GGUF architecture 'phi3' is not supported"), ("q8_1.gguf", "Q8_1")):
+    for name, why in (
+        ("phi3.gguf", "GGUF architecture 'phi3' is not supported"),
+        ("q8_1.gguf", "token_embd.weight (Q8_1)"),
+    ):
         path = tmp_path / name
         doctor = subprocess.run(
             kvmux_command("doctor", "--model", str(path), "--timeout", "0.1"), capture_output=True, text=True

@@ -164,11 +164,14 @@ def read_tensors(path: Path, header: Header, requantize: bool) -> dict[str, mx.a
 
 def check(header: Header) -> None:
     """Refuse a file holding tensors in an encoding that cannot load."""
-    refused = sorted(e.name for e in header.encodings if not decodable(e))
+    refused = {e for e in header.encodings if not decodable(e)}
     if refused:
+        tensors = [f"{t.name} ({t.encoding.name})" for t in header.tensors if t.encoding in refused]
+        more = f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
         raise ValueError(
-            f"tensor encodings {', '.join(refused)} are neither MLX's nor decoded by the gguf package "
-            "(llama.cpp's llama-quantize can re-encode the file, e.g. as Q4_K_M or Q8_0)"
+            f"tensor encodings {', '.join(sorted(e.name for e in refused))} are neither MLX's nor decoded by the"
+            f" gguf package: {', '.join(tensors[:3])}{more} (llama.cpp's llama-quantize can re-encode the file,"
+            " e.g. as Q4_K_M or Q8_0)"
         )
 
 
