@@ -48,9 +48,7 @@ def _cpu_kernel() -> tuple[str, bool]:
             f"{kernel.describe()}: float32 copies of the weights (make setup builds worker/native)",
             not kernel.reason.startswith("not available"),
         )
-    import kvmux_native
-
-    return f"{kernel.describe()} (this CPU runs {', '.join(kvmux_native.isas())})", True
+    return f"{kernel.describe()} (this CPU runs {', '.join(cpu_kernel.kvmux_native.isas())})", True
 
 
 def doctor(

@@ -35,6 +35,13 @@ from kvmux import logs
 
 from .preload import CPU_THREADS_ENV, openblas_path, preloaded
 
+try:
+    import kvmux_native
+except ImportError as exc:  # not built here, or built against another mlx
+    kvmux_native, UNAVAILABLE = None, str(exc)
+else:
+    UNAVAILABLE = ""
+
 log = logs.get("worker.cpu_kernel")
 
 CHOICES = ("auto", "avx512", "avx2", "scalar", "off")
@@ -66,11 +73,9 @@ def select(choice: str = "auto") -> Kernel:
         return Kernel(None, reason="off")
     if mx.default_device() != mx.cpu:
         return Kernel(None, reason="a GPU: MLX's own quantized kernels")
-    try:
-        import kvmux_native
-    except ImportError as exc:  # not built here, or built for another mlx
-        log.warning("cpu_kernel_unavailable", error=str(exc))
-        return Kernel(None, reason=f"not available: {exc}")
+    if kvmux_native is None:
+        log.warning("cpu_kernel_unavailable", error=UNAVAILABLE)
+        return Kernel(None, reason=f"not available: {UNAVAILABLE}")
     isa = kvmux_native.isas()[0] if choice == "auto" else choice
     if isa not in kvmux_native.isas():
         raise ValueError(f"cpu_kernel {isa}: this CPU runs {', '.join(kvmux_native.isas())}")
@@ -91,7 +96,7 @@ class QuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose product is kvmux_native's."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = native().qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        y = kvmux_native.qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -110,29 +115,23 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return native().qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        return kvmux_native.qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
 
 
 class RMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
-        return native().rms_norm(x, self["weight"], self.eps)
+        return kvmux_native.rms_norm(x, self["weight"], self.eps)
 
 
 class RoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         offset = offset if isinstance(offset, mx.array) else mx.array(offset)
-        return native().rope(x, offset, self.dims, self.traditional, self.base, self.scale)
-
-
-def native():
-    import kvmux_native
-
-    return kvmux_native
+        return kvmux_native.rope(x, offset, self.dims, self.traditional, self.base, self.scale)
 
 
 def native_of(model: nn.Module):
     """The kvmux_native module where `model` was adopted (`adopt`), else None."""
-    return native() if model.__dict__.get(_ADOPTED_MARK) else None
+    return kvmux_native if model.__dict__.get(_ADOPTED_MARK) else None
 
 
 _ADOPTED_MARK = "kvmux_native"
@@ -144,23 +143,20 @@ _ADOPTED = {
 }
 
 
-def adopt(model: nn.Module) -> int:
+def adopt(model: nn.Module) -> None:
     """Make the model's affine quantized layers, RMS norms and (plain)
     rotary embeddings compute with kvmux_native (their parameters stay as
     they are: only the ops change); its other floats float32, what MLX's
-    CPU computes fastest. Returns the layers adopted."""
-    adopted = 0
+    CPU computes fastest."""
     model.__dict__[_ADOPTED_MARK] = True  # what forward.py asks (native_of): its attention goes native too
     for _, module in model.named_modules():
         kind = _ADOPTED.get(type(module))
         if kind is not None and getattr(module, "mode", "affine") == "affine":
             module.__class__ = kind
-            adopted += 1
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             floats = {k: v.astype(mx.float32) for k, v in module.items() if _is_float(v)}
             if floats:
                 module.update(floats)
-    return adopted
 
 
 def _is_float(value: object) -> bool:
