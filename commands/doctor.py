@@ -44,10 +44,10 @@ def _cpu_kernel() -> tuple[str, bool]:
 
     kernel = cpu_kernel.select(os.environ.get("KVMUX_CPU_KERNEL", "auto"))
     if kernel.isa is None:
-        return (
-            f"{kernel.describe()}: float32 copies of the weights (make setup builds worker/native)",
-            not kernel.reason.startswith("not available"),
-        )
+        built = cpu_kernel.kvmux_native is not None
+        return f"{kernel.describe()}: float32 copies of the weights" + (
+            "" if built else "; make setup builds it"
+        ), built
     return f"{kernel.describe()} (this CPU runs {', '.join(cpu_kernel.kvmux_native.isas())})", True
 
 
