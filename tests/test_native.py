@@ -145,6 +145,11 @@ def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
     assert all(mx.array_equal(o, outs[0]).item() for o in outs)
     with pytest.raises(ValueError, match="length"):
         native.attend(q, keys, values, slots + 1)
+    # A head size that is no multiple of the kernel's 16 lanes (a tiny draft model's).
+    q, keys, values = q[..., :40], keys[..., :40], values[..., :40]
+    scores = q.reshape(rows, kv, heads // kv, 40) @ keys[..., :length, :].swapaxes(-1, -2)
+    want = (mx.softmax(scores, axis=-1, precise=True) @ values[..., :length, :]).reshape(1, rows, heads * 40)
+    assert mx.abs(native.attend(q, keys, values, length) - want).max().item() < 1e-5
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,14 @@
 
 namespace {
 
-// Σ a[i] * b[i] over D (a multiple of 16) in 16 lanes, then the lanes' tree.
+// Σ a[i] * b[i] over D in 16 lanes (lane l takes i = 16c + l), then the
+// lanes' tree.
 inline float dot16(const float* a, const float* b, int D) {
   float lanes[16] = {};
-  for (int i = 0; i < D; i += 16)
+  const int whole = D / 16 * 16;
+  for (int i = 0; i < whole; i += 16)
     for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+  for (int i = whole; i < D; ++i) lanes[i - whole] += a[i] * b[i];
   float s8[8], s4[4];
   for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
   for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];

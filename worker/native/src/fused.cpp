@@ -158,7 +158,7 @@ mx::array attend(
   if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape() != values.shape())
     fail("keys and values must be (1, kv heads, slots, D) alike");
   const int rows = q.shape(0), heads = q.shape(1), D = q.shape(-1), kv = keys.shape(1);
-  if (keys.shape(3) != D || D % 16) fail("keys' D must be q's, a multiple of 16");
+  if (keys.shape(3) != D) fail("keys' D must be q's");
   if (kv < 1 || heads % kv) fail("heads must be a multiple of the kv heads");
   if (length < 1 || length > keys.shape(2)) fail("length must be within the slab's slots");
   if (mask && (mask->ndim() != 2 || mask->shape(0) != rows || mask->shape(1) < length))
