@@ -8,8 +8,8 @@ has it), as ratios of two sides measured in interleaved repeats (A B A B
 - shared passes: tokens/s of 8 and 16 sessions decoding together against
   one, at an empty and at a full window;
 - verify passes: a pass of 9 and of 17 decode rows (a speculative verify
-  pass: a token and its drafts, taken back after) against a one-token
-  step, at a full window;
+  pass: a token and its drafts, the drafts taken back after) against a
+  one-token step, at a full window;
 - before/after: the same decode and prefill through mlx-lm's own forward
   pass and its stock RotatingKVCache (what the worker ran before
   worker/attention.py), against the worker's pass;
@@ -157,7 +157,8 @@ class Bench:
         return n * len(slabs) / (time.perf_counter() - started)
 
     def pass_s(self, cache: list, rows: int) -> float:
-        """Seconds of a pass of `rows` decode rows, each taken back after."""
+        """Seconds of a pass of `rows` decode rows: a token and its drafts,
+        the drafts taken back after (all rejected), as a worker does."""
         from kvmux.worker.forward import Segment, forward
         from kvmux.worker.slab import rewind
 
@@ -169,7 +170,7 @@ class Bench:
                 self.model, [Segment(mx.array([100 + i + j for j in range(rows)]), cache, True)], self.floors
             )
             mx.eval(logits, [c.state for c in cache])
-            rewind(cache, rows)
+            rewind(cache, rows - 1)
         return (time.perf_counter() - started) / n
 
     def interleaved(self, a: Callable[[], float], b: Callable[[], float], bar: tqdm) -> dict:

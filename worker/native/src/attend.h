@@ -42,38 +42,48 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
-// One (row, head): scores against slots [0, length), masked where
-// mask[j] is -inf (those weigh exactly nothing), softmax, weighted sum.
-void attend_one(const kvmux_native::Attention& a, int row, int head, float* scores) {
-  const int D = a.D, length = a.length;
-  const int kv = head / (a.heads / a.kv_heads);
-  const float* q = a.q + (size_t(row) * a.heads + head) * D;
+// One row against one KV head: the query heads that share it (grouped-
+// query attention) scored as each key is read, so a key is read once for
+// them all; masked where mask[j] is -inf (those weigh exactly nothing),
+// softmax, weighted sum. Each query's sums run in the same order as alone.
+void attend_group(const kvmux_native::Attention& a, int row, int kv, float* scores) {
+  const int D = a.D, length = a.length, G = a.heads / a.kv_heads;
+  const float* q = a.q + (size_t(row) * a.heads + size_t(kv) * G) * D;
   const float* keys = a.keys + size_t(kv) * a.kv_stride;
   const float* values = a.values + size_t(kv) * a.kv_stride;
   const float* mask = a.mask ? a.mask + size_t(row) * a.mask_stride : nullptr;
-  float top = -__builtin_inff();
+  float* out = a.out + (size_t(row) * a.heads + size_t(kv) * G) * D;
   for (int j = 0; j < length; ++j) {
-    float s = dot16(q, keys + size_t(j) * D, D);
-    if (mask) s += mask[j];
-    scores[j] = s;
-    top = s > top ? s : top;
+    const float* k = keys + size_t(j) * D;
+    const float m = mask ? mask[j] : 0.0f;
+    for (int g = 0; g < G; ++g) scores[size_t(g) * (length + 1) + j] = dot16(q + size_t(g) * D, k, D) + m;
   }
-  float total = 0.0f;
-  for (int j = 0; j < length; ++j) {
-    const float p = scores[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(scores[j] - top);
-    scores[j] = p;
-    total += p;
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + size_t(g) * (length + 1);
+    float top = -__builtin_inff();
+    for (int j = 0; j < length; ++j) top = s[j] > top ? s[j] : top;
+    float total = 0.0f;
+    for (int j = 0; j < length; ++j) {
+      const float p = s[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(s[j] - top);
+      s[j] = p;
+      total += p;
+    }
+    s[length] = 1.0f / total;  // the slot past the last: this head's normaliser
+    for (int d = 0; d < D; ++d) out[size_t(g) * D + d] = 0.0f;
   }
-  float* out = a.out + (size_t(row) * a.heads + head) * D;
-  for (int d = 0; d < D; ++d) out[d] = 0.0f;
   for (int j = 0; j < length; ++j) {
-    const float p = scores[j];
-    if (p == 0.0f) continue;
     const float* v = values + size_t(j) * D;
-    for (int d = 0; d < D; ++d) out[d] += p * v[d];
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[size_t(g) * (length + 1) + j];
+      if (p == 0.0f) continue;
+      float* o = out + size_t(g) * D;
+      for (int d = 0; d < D; ++d) o[d] += p * v[d];
+    }
   }
-  const float inv = 1.0f / total;
-  for (int d = 0; d < D; ++d) out[d] *= inv;
+  for (int g = 0; g < G; ++g) {
+    const float inv = scores[size_t(g) * (length + 1) + length];
+    for (int d = 0; d < D; ++d) out[size_t(g) * D + d] *= inv;
+  }
 }
 
 }  // namespace

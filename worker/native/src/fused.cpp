@@ -194,10 +194,13 @@ void Attend::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     a.length = length;
     a.kv_stride = size_t(keys.shape(2)) * a.D;
     const AttendFn one = attend_kernel();
-    parallel_for(a.rows * a.heads, [&](int item) {
+    // Items by KV head, then row: a thread's next item mostly reads the
+    // same keys and values, still in its cache.
+    const size_t need = size_t(a.heads / a.kv_heads) * (length + 1);
+    parallel_for(a.kv_heads * a.rows, [&](int item) {
       thread_local std::vector<float> scores;
-      if (scores.size() < size_t(length)) scores.resize(length);
-      one(a, item / a.heads, item % a.heads, scores.data());
+      if (scores.size() < need) scores.resize(need);
+      one(a, item % a.rows, item / a.rows, scores.data());
     });
   });
 }

@@ -58,7 +58,7 @@ struct V {
 
 }  // namespace avx2
 
-AttendFn attend_avx2() { return &avx2::attend_one; }
+AttendFn attend_avx2() { return &avx2::attend_group; }
 BlockFn block_avx2() { return &avx2::block<avx2::V, 2, 2, 2>; }
 
 }  // namespace kvmux_native

@@ -57,7 +57,7 @@ struct V {
 
 }  // namespace avx512
 
-AttendFn attend_avx512() { return &avx512::attend_one; }
+AttendFn attend_avx512() { return &avx512::attend_group; }
 BlockFn block_avx512() { return &avx512::block<avx512::V, 4, 4, 4>; }
 
 }  // namespace kvmux_native

@@ -63,7 +63,7 @@ struct V {
 
 }  // namespace scalar
 
-AttendFn attend_scalar() { return &scalar::attend_one; }
+AttendFn attend_scalar() { return &scalar::attend_group; }
 BlockFn block_scalar() { return &scalar::block<scalar::V, 1, 1, 1>; }
 
 }  // namespace kvmux_native

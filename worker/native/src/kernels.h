@@ -75,8 +75,9 @@ struct Attention {
   size_t kv_stride, mask_stride;
 };
 
-// One (row, head) of an Attention; `scores` holds `length` floats.
-using AttendFn = void (*)(const Attention&, int row, int head, float* scores);
+// One row against one KV head of an Attention (its query heads together);
+// `scores` holds (heads / kv_heads) * (length + 1) floats.
+using AttendFn = void (*)(const Attention&, int row, int kv, float* scores);
 
 AttendFn attend_scalar();
 AttendFn attend_avx2();
