@@ -158,6 +158,22 @@ def test_function_tools_round_trip_and_structured_output(base):
     assert isinstance(json.loads(shaped.output_text)["n"], int)
 
 
+def test_a_stored_response_is_found_by_its_name_for_its_key_alone(shared_stack, tmp_path):
+    with http_gateway(shared_stack, tmp_path, [KEY, "sk-other"]) as gateway:
+        mine, session = create(api(gateway), input="Name a colour.")
+        assert session not in mine.id  # found through the broker's name index, not its session id
+        assert api(gateway).responses.retrieve(mine.id).output_text == mine.output_text
+        other = api(gateway, key="sk-other")
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            create(other, input="And a fruit?", previous_response_id=mine.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.delete(mine.id)
+        on, same = create(api(gateway), input="And a fruit?", previous_response_id=mine.id)
+        assert same == session and on.usage.input_tokens_details.cached_tokens == held(mine)
+
+
 def test_refusals_in_openai_shape(base):
     client = api(base)
     with pytest.raises(openai.BadRequestError) as refused:

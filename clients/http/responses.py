@@ -2,12 +2,13 @@
 streamed as its typed server-sent events), GET and DELETE /v1/responses/{id}
 and GET /v1/responses/{id}/input_items.
 
-A response id names a point of a durable session: `resp_` + the session's
-id + a nonce. A stored response (`store`, true by default) is a named point
-of its session (protocol Mark) whose note keeps the response object, its
-input and the id it continued, in the session's record: so a chain
-(`previous_response_id`) costs only the new input's prefill and outlives the
-gateway, the daemon and the worker, with no state in the gateway.
+A stored response (`store`, true by default) is a named point of its
+session (protocol Mark) whose note keeps the response object, its input and
+the id it continued, in the session's record; its name is made of its id
+and its caller's, so the broker finds it (Find) for that caller alone. A
+chain (`previous_response_id`) thus costs only the new input's prefill and
+outlives the gateway, the daemon and the worker, with no state in the
+gateway.
 
 Continuing the newest response of a session appends to it. Continuing an
 older one (a branch) opens a copy of the session taken back to that
@@ -24,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -46,18 +46,9 @@ from .gateway import SESSION_HEADER, Gateway
 
 log = logs.get("http.responses")
 
-_ID = re.compile(r"^resp_([0-9a-f]{32})[0-9a-f]{16}$")
-
 
 def _not_found(response_id: str) -> HTTPError:
     return HTTPError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "not_found")
-
-
-def _session_of(response_id: str) -> str:
-    match = _ID.fullmatch(response_id)
-    if match is None:
-        raise _not_found(response_id)
-    return match.group(1)
 
 
 # ------------------------------------------------------------------ request
@@ -140,32 +131,37 @@ def _context(req: ResponseRequest, owner: str) -> str:
 # ------------------------------------------------------------------ stored
 
 
+def _name(owner: str, response_id: str) -> str:
+    """A stored response's name in its session: its id, and its caller's."""
+    return hashlib.sha256(f"{owner}\n{response_id}".encode()).hexdigest()
+
+
 @dataclass
 class Stored:
     session: object  # a detached handle on its session
+    name: str  # its name there
     at: int  # the session's messages at the response
     note: dict  # the response object, its input, its reply, the id it continued, its context
     info: p.SessionInfo
 
 
 async def _stored(gateway: Gateway, request: Request, response_id: str) -> Stored:
-    """A stored response; 404 for an unknown one, another key's, or one
-    whose session is gone."""
-    session_id = _session_of(response_id)
-    if gateway.api_keys:
-        try:
-            await auth.own(gateway, request, session_id)
-        except HTTPError:
-            raise _not_found(response_id) from None
+    """A stored response of the caller's, found by its name (the broker's
+    index: Find); 404 for an unknown one, another key's, or one whose
+    session is gone."""
+    name = _name(auth.owner(gateway, request), response_id)
+    found = await gateway.client.find([name])
+    if found is None:
+        raise _not_found(response_id)
     try:
-        session = await gateway.client.resume_session(session_id)
+        session = await gateway.client.resume_session(found.session_id)
         session.detach()  # a handle only: the session outlives the gateway
-        info = await session.info(marks=[response_id])
+        info = await session.info(marks=[name])
     except (errors.SessionNotFound, errors.SessionExpired):
         raise _not_found(response_id) from None
-    if response_id not in info.marks:
+    if name not in info.marks:
         raise _not_found(response_id)
-    return Stored(session, info.marks[response_id], json.loads(info.notes[response_id]), info)
+    return Stored(session, name, info.marks[name], json.loads(info.notes[name]), info)
 
 
 async def _conversation(gateway: Gateway, request: Request, response_id: str | None) -> list[dict]:
@@ -213,18 +209,14 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
 
 @dataclass
 class Turn:
-    """The response being made: its request, its session, its id."""
+    """The response being made: its request, its session, its id and name."""
 
     req: ResponseRequest
     placed: Placed
     context: str
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    name: str = ""  # _name(owner, id)
     created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def id(self) -> str:
-        return f"resp_{self.placed.session.id}{self.nonce}"
-
-    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     def response(self, reply: Reply | None = None, output=()) -> dict:
         """The response object; in progress until its reply has ended."""
@@ -268,7 +260,7 @@ class Turn:
             "context": self.context,
         }
         try:
-            await session.mark({self.id: 0}, notes={self.id: json.dumps(note)}, from_end=True)
+            await session.mark({self.name: 0}, notes={self.name: json.dumps(note)}, from_end=True)
         except errors.KvmuxError as exc:  # the reply stands; only its id cannot be continued or fetched
             log.warning("response_not_stored", response=self.id, error=str(exc))
 
@@ -333,6 +325,7 @@ async def create(gateway: Gateway, request: Request) -> Response:
     owner = auth.owner(gateway, request)
     context = _context(req, owner)
     turn = Turn(req, await _place(gateway, request, req, context), context)
+    turn.name = _name(owner, turn.id)
     reply = await Reply.start(turn.placed.session, turn.placed.held, req.chat.messages, req.chat.options)
     headers = {SESSION_HEADER: turn.placed.session.id}
     if req.chat.stream:
@@ -424,7 +417,7 @@ async def retrieve(gateway: Gateway, request: Request) -> Response:
     stored = await _stored(gateway, request, response_id)
     if request.method == "GET":
         return JSONResponse(stored.note["response"])
-    if (await stored.session.mark({}, drop=[response_id])).marks == 0:
+    if (await stored.session.mark({}, drop=[stored.name])).marks == 0:
         await stored.session.close()
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
