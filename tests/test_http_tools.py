@@ -153,3 +153,13 @@ def test_refusals_name_the_parameter(base):
             client.chat.completions.create(model="kvmux", messages=hi, max_tokens=4, **options)
         assert bad.value.status_code == 400
     assert client.chat.completions.create(model="kvmux", messages=hi, max_tokens=2, frequency_penalty=0).choices
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_is_exactly_one_call_of_it(base, stream):
+    """As openai-agents asks through chat completions: parallel calls left at their default."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    message, finish, _, _ = chat(api(base), ask, stream, tools=TOOLS, tool_choice=named, max_tokens=200)
+    assert finish == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert valid(json.loads(message["tool_calls"][0]["function"]["arguments"]), WEATHER["parameters"])

@@ -258,6 +258,8 @@ class Engine:
                 params.tool_choice = ToolChoice(params.tool_choice)
             except ValueError:
                 problems.append("tool_choice must be auto, none, required or a function ({name})")
+        else:  # a named function: exactly one call of it (as vLLM constrains it)
+            params.parallel_tool_calls = False
         if params.logprobs is not None and not 0 <= params.logprobs <= MOST_TOP_LOGPROBS:
             problems.append(f"logprobs must be within 0..{MOST_TOP_LOGPROBS}")
         try:
