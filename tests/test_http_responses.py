@@ -158,6 +158,19 @@ def test_function_tools_round_trip_and_structured_output(base):
     assert isinstance(json.loads(shaped.output_text)["n"], int)
 
 
+def test_a_named_tool_choice_is_one_call_and_a_cut_call_is_incomplete(base):
+    client = api(base)
+    named = {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
+    called, _ = create(client, input="What is the weather in Paris?", max_output_tokens=200, **named)
+    assert called.status == "completed" and [item.type for item in called.output] == ["function_call"]
+    assert json.loads(called.output[0].arguments)["city"] and called.output[0].status == "completed"
+    cut, _ = create(client, input="What is the weather in Paris?", max_output_tokens=20, **named)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    call = cut.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "incomplete"
+    assert called.output[0].arguments.startswith(call.arguments)  # as far as it was generated
+
+
 def test_a_stored_response_is_found_by_its_name_for_its_key_alone(shared_stack, tmp_path):
     with http_gateway(shared_stack, tmp_path, [KEY, "sk-other"]) as gateway:
         mine, session = create(api(gateway), input="Name a colour.")

@@ -163,3 +163,17 @@ def test_a_named_tool_choice_is_exactly_one_call_of_it(base, stream):
     message, finish, _, _ = chat(api(base), ask, stream, tools=TOOLS, tool_choice=named, max_tokens=200)
     assert finish == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
     assert valid(json.loads(message["tool_calls"][0]["function"]["arguments"]), WEATHER["parameters"])
+
+
+def test_a_call_cut_by_max_tokens_is_a_cut_call(base):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    replies = [
+        chat(api(base), ask, stream, tools=TOOLS, tool_choice="required", max_tokens=22) for stream in (False, True)
+    ]
+    for message, finish, _, _ in replies:
+        assert finish == "length" and len(message["tool_calls"]) == 1 and not message.get("content"), message
+        function = message["tool_calls"][0]["function"]
+        assert function["name"] in ("get_weather", "add") and function["arguments"].startswith("{")
+        with pytest.raises(json.JSONDecodeError):  # its arguments as far as they were generated
+            json.loads(function["arguments"])
+    assert replies[0][0]["tool_calls"][0]["function"] == replies[1][0]["tool_calls"][0]["function"]  # as streamed

@@ -324,18 +324,25 @@ class ToolCallStream:
         return rest
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The reply's text less its calls, and the calls that parsed
-        (an unfinished one, cut by max_tokens, stays text)."""
+        """The reply's text less its calls, and its calls: those that parsed,
+        and one the generation cut (max_tokens) once its name went out, with
+        its arguments as far as they were generated (as they streamed).
+        Another that does not parse stays text."""
         content, calls = self.content + ("" if self._after else self._held), []
         for call in self.calls:
-            parsed = _parse(call.text, self.fmt.arguments)
-            if parsed is None:  # what was generated, as text
-                content += self.fmt.start.strip() + call.text
-                continue
-            name, arguments = parsed
             scan = _scan(call.text, self.fmt.arguments)
-            raw = call.text[scan.args_start : scan.args_end] if scan.args_start is not None else json.dumps(arguments)
-            calls.append(ToolCall(id=call.id, name=name, arguments=raw))
+            parsed = _parse(call.text, self.fmt.arguments)
+            if parsed is not None:
+                name, arguments = parsed
+                raw = (
+                    call.text[scan.args_start : scan.args_end] if scan.args_start is not None else json.dumps(arguments)
+                )
+                calls.append(ToolCall(id=call.id, name=name, arguments=raw))
+            elif call.named and not call.done:  # cut
+                raw = call.text[scan.args_start :] if scan.args_start is not None else ""
+                calls.append(ToolCall(id=call.id, name=scan.name, arguments=raw))
+            else:  # what was generated, as text
+                content += self.fmt.start.strip() + call.text
         return content.strip() if calls else content, calls
 
 
