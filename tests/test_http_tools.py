@@ -146,7 +146,6 @@ def test_refusals_name_the_parameter(base):
         ({"tool_choice": "required"}, "no tools"),
         ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "array"}}}]}, "object"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice none"),
     ]
     for options, named in cases:
         with pytest.raises(openai.BadRequestError, match=named) as bad:
@@ -177,3 +176,20 @@ def test_a_call_cut_by_max_tokens_is_a_cut_call(base):
         with pytest.raises(json.JSONDecodeError):  # its arguments as far as they were generated
             json.loads(function["arguments"])
     assert replies[0][0]["tool_calls"][0]["function"] == replies[1][0]["tool_calls"][0]["function"]  # as streamed
+
+
+def test_a_format_beside_tools_holds_the_answer_and_calls_still_parse(base):
+    client = api(base)
+    total = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"], "additionalProperties": False}  # fmt: skip
+    shaped = {"type": "json_schema", "json_schema": {"name": "total", "schema": total, "strict": True}}
+    answers = {}
+    for tools, question in ((TOOLS[1:], "Add 2 and 3."), (TOOLS, "What is the weather in Paris?")):
+        ask = [{"role": "user", "content": question}]
+        answers[question] = chat(client, ask, tools=tools, response_format=shaped, max_tokens=120)
+    message, finish, _, _ = answers["Add 2 and 3."]  # the model answers: in the format
+    assert finish == "stop" and "tool_calls" not in message and valid(json.loads(message["content"]), total), message
+    message, finish, _, _ = answers["What is the weather in Paris?"]  # the model calls: calls, parsed
+    assert finish == "tool_calls" and message["tool_calls"] and not message.get("content"), message
+    for call in message["tool_calls"]:
+        tool = {"get_weather": WEATHER, "add": ADD}[call["function"]["name"]]
+        assert valid(json.loads(call["function"]["arguments"]), tool["parameters"])

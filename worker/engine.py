@@ -290,29 +290,25 @@ class Engine:
         return bool(session.tools) and params.tool_choice != ToolChoice.NONE
 
     def constrain(self, session: LiveSession, params: GenerationParams) -> None:
-        """Give a generation its grammar (params.constraint): the format's,
-        or the tool call one of tool_choice required or a named function.
-        invalid_argument for a grammar llguidance refuses, a choice of no
-        tool, or a format beside tools the model may call."""
+        """Give a generation its grammar (params.constraint): the calls of
+        tool_choice required or a named function (a format then holds the
+        answer a later turn gives); else the format's, which beside tools
+        the model may call lets through calls or the formatted answer.
+        invalid_argument for a grammar llguidance refuses or a choice of no
+        tool."""
         params.constraint = None
-        if params.format is not None:
-            if self.calls_tools(session, params):
-                raise ProtocolError(
-                    ErrorCode.INVALID_ARGUMENT,
-                    "format shapes a text reply: with tools, set tool_choice none to use it",
-                )
-            params.constraint = self.grammars.constraint(self.grammars.of_format(params.format), "format")
-            return
-        if not session.tools:
-            if params.tool_choice not in (ToolChoice.AUTO, ToolChoice.NONE):
-                raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "tool_choice: the session has no tools")
-            return
-        choice = params.tool_choice
-        grammar = tool_calls.grammar(
-            session.tools, choice, params.parallel_tool_calls, self.tool_format, self.grammars.marker
-        )
-        if grammar is not None:
-            params.constraint = self.grammars.constraint(grammar, "tool_choice")
+        if not session.tools and params.tool_choice not in (ToolChoice.AUTO, ToolChoice.NONE):
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "tool_choice: the session has no tools")
+        answer = self.grammars.of_format(params.format) if params.format is not None else None
+        calls, parallel = self.calls_tools(session, params), params.parallel_tool_calls
+        marker, fmt = self.grammars.marker, self.tool_format
+        forced = tool_calls.grammar(session.tools, params.tool_choice, parallel, fmt, marker) if calls else None
+        if forced is not None:
+            params.constraint = self.grammars.constraint(forced, "tool_choice")
+        elif answer is not None:
+            if calls:  # auto
+                answer = self.grammars.either(tool_calls.calls_rules(session.tools, parallel, fmt, marker), answer)
+            params.constraint = self.grammars.constraint(answer, "format")
 
     # ------------------------------------------------------------ tokens
 
