@@ -304,7 +304,7 @@ class Daemon:
         """SIGKILL every worker and the broker at once (workers run in
         sessions of their own: found by their parent, before it dies and
         they get the SIGTERM their parent-death signal sends)."""
-        for pid in [*_children(self.proc.pid), self.proc.pid]:
+        for pid in [*children(self.proc.pid), self.proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -327,7 +327,7 @@ class Daemon:
         self.stop()
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     out = []
     for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
