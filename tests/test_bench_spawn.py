@@ -13,7 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import STARTUP_TIMEOUT_S, children, kvmux_command
+
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
 
 
 def bench(out: Path) -> subprocess.Popen:

@@ -8,15 +8,14 @@ import time
 
 import openai
 import pytest
-from conftest import KEY, api, broker_stats, http_gateway
+from conftest import api, broker_stats
 
 from kvmux.client import Client
 
 
-@pytest.fixture(scope="module")
-def gateway(shared_stack, tmp_path_factory):
-    with http_gateway(shared_stack, tmp_path_factory.mktemp("http"), [KEY, "sk-other"]) as base:
-        yield shared_stack, base
+@pytest.fixture
+def gateway(shared_stack, base):
+    return shared_stack, base
 
 
 def ask(client: openai.OpenAI, messages, **options):

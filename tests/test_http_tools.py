@@ -7,16 +7,10 @@ import json
 
 import openai
 import pytest
-from conftest import KEY, api, http_gateway
+from conftest import api
 from schemas import ADD, PERSON, WEATHER, valid
 
 TOOLS = [{"type": "function", "function": tool} for tool in (WEATHER, ADD)]
-
-
-@pytest.fixture(scope="module")
-def base(shared_stack, tmp_path_factory):
-    with http_gateway(shared_stack, tmp_path_factory.mktemp("http"), [KEY]) as base:
-        yield base
 
 
 def chat(client: openai.OpenAI, messages, stream: bool = False, **options):

@@ -62,6 +62,7 @@ def together_and_alone(stack, hf_tokenizer, near_tie, count: int, tokens: int) -
         near_tie(prompts[i], alone[i], together[i], exact, sink=sink, window=window)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
     stack_factory, hf_tokenizer, near_tie, kernels
@@ -79,6 +80,7 @@ def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
     together_and_alone(stack, hf_tokenizer, near_tie, 8, 160)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stack_factory, hf_tokenizer, near_tie, kernels):
     """--batch-invariant pads every pass whatever it costs: sessions decode

@@ -14,6 +14,8 @@ from schemas import ADD, PERSON, WEATHER, valid
 from kvmux import protocol as p
 from kvmux.client import Client, errors
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 
 @pytest.fixture(scope="module")
 def stack():
