@@ -1,8 +1,10 @@
-# The two commands of the README:
-#   make serve   set everything up, then run the daemon on the embedded model
-#   make test    set everything up, lint, then run the whole test suite (pytest runs
-#                the Node client's `node --test` suite against a real stack too)
-# Both are idempotent: a second run installs nothing and says nothing.
+# The commands of the README:
+#   make serve      set everything up, then run the daemon on the embedded model
+#   make test       set everything up, lint, then run the whole test suite (pytest runs
+#                   the Node client's `node --test` suite against a real stack too)
+#   make test-fast  the same, less the tests marked `stack` (those that start
+#                   processes of their own): the edit-run loop
+# All are idempotent: a second run installs nothing and says nothing.
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +12,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 TS := clients/typescript
 
-.PHONY: setup serve test lint bench-peers
+.PHONY: setup serve test test-fast lint bench-peers
 
 setup: $(VENV)/.setup $(VENV)/.native
 
@@ -73,7 +75,12 @@ serve: setup
 lint: $(VENV)/.test-setup
 	@$(BIN)/ruff format --check --quiet . && $(BIN)/ruff check --quiet .
 
+# OpenBLAS preloaded for the tests that run the model in pytest's own process (the workers preload it themselves)
+PYTEST = LD_PRELOAD="$$($(BIN)/python -c 'from kvmux.worker.preload import openblas_path; print(openblas_path() or "")')" \
+	$(BIN)/python -m pytest
+
 test: lint $(VENV)/.test-setup $(TS)/node_modules/.setup
-	@# OpenBLAS preloaded for the tests that run the model in pytest's own process (the workers preload it themselves)
-	@LD_PRELOAD="$$($(BIN)/python -c 'from kvmux.worker.preload import openblas_path; print(openblas_path() or "")')" \
-		$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	@$(PYTEST); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-fast: lint $(VENV)/.test-setup
+	@$(PYTEST) -m "not stack"

@@ -127,17 +127,19 @@ class Soak:
             threads = [
                 threading.Thread(target=self._session, args=(client, i), daemon=True) for i in range(self.cfg.sessions)
             ]
-            for t in threads:
-                t.start()
             try:
                 for t in threads:
-                    while t.is_alive():
-                        t.join(0.5)
-            except KeyboardInterrupt:
+                    t.start()
+                # Polled, not joined: a join that Ctrl-C interrupts takes its
+                # thread for ended (CPython 3.11), and the client would close under it.
+                while any(t.is_alive() for t in threads):
+                    time.sleep(0.5)
+            except KeyboardInterrupt:  # Ctrl-C, or a SIGTERM (spawn.py)
                 status = "interrupted"
                 self._deadline = time.monotonic()  # sessions stop after their current turn
                 for t in threads:
-                    t.join(self.cfg.timeout_s)
+                    if t.ident is not None:  # started
+                        t.join(self.cfg.timeout_s)
             self.doc["stats_after"] = _stats_dict(client)
         self._bar.close()
         self.writer.write(status)

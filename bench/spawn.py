@@ -1,6 +1,9 @@
 """`--spawn`: a bench starts its own daemon (`kvmux serve`, broker plus local
 workers) on private endpoints, waits until its workers have registered, and
-stops it (SIGTERM, the daemon's own drain) when the bench ends."""
+stops it (SIGTERM, the daemon's own drain) when the bench ends, however it
+ends: a SIGTERM to the bench (a timeout, a CI cancel) ends it as Ctrl-C
+does, and a bench killed outright takes the daemon with it (its
+parent-death signal, where the platform has one)."""
 
 from __future__ import annotations
 
@@ -11,11 +14,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmux.children import die_with_parent
 from kvmux.client import Client, KvmuxError
 
 READY_TIMEOUT_S = 180.0  # model load on 2 busy cores
@@ -71,14 +76,38 @@ def daemon(
     cmd += ["--workers", str(workers), "--slabs", str(slabs), "--state-dir", str(tmp / "state")]
     cmd += (["--model", model] if model else []) + list(serve_args)
     log_path = tmp / "serve.log"  # its tail goes into the error if the daemon fails to start
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with _terminated_as_interrupted():
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,  # noqa: PLW1509 (it only calls prctl)
+            )
+        try:
+            _wait_ready(proc, admin, workers, log_path)
+            yield Daemon(frontend, backend, admin, proc.pid, log_path)
+        finally:
+            stop(proc, timeout_s=30)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupted() -> Iterator[None]:
+    """While a daemon runs, a SIGTERM to the bench is a KeyboardInterrupt
+    (Python's default is to die at once): the bench ends as it does on
+    Ctrl-C (a soak stops its sessions and writes its report) and stops its
+    daemons on the way out. The main thread's alone: only it receives
+    signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        _wait_ready(proc, admin, workers, log_path)
-        yield Daemon(frontend, backend, admin, proc.pid, log_path)
+        yield
     finally:
-        stop(proc, timeout_s=30)
-        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmux import logs, settings
+from kvmux.children import die_with_parent
 from kvmux.worker.preload import CPU_THREADS_ENV, openblas_path
 
 from .auth import Auth
@@ -36,14 +36,6 @@ log = logs.get("broker")
 BACKOFF_S = (1.0, 60.0)  # the first restart's delay, and the most it doubles to
 CRASH_LIMIT = 5
 CRASH_WINDOW_S = 300.0
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -137,7 +129,7 @@ class LocalWorkers:
         for rank in range(ranks):
             if ranks > 1:
                 env["MLX_RANK"] = str(rank)
-            slot.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent))  # noqa: PLW1509
+            slot.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509
         slot.restart_at = None
         log.info("local_worker_started", index=slot.index, pids=[proc.pid for proc in slot.procs])
 

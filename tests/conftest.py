@@ -45,6 +45,7 @@ def free_tcp_port() -> int:
 
 
 KEY = "sk-test-kvmux"  # an API key of the gateways tests start
+OTHER_KEY = "sk-other"  # another caller's
 
 
 @contextlib.contextmanager
@@ -106,6 +107,23 @@ def broker_stats(endpoint: str, timeout_s: float = 2.0) -> p.BrokerStats | None:
         sock.close()
 
 
+_running: list[pytest.Item] = []  # the test being set up or run, for `own_processes`
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _running[:] = [item]
+
+
+def own_processes() -> None:
+    """A test that starts a stack or a daemon of its own is marked `stack`
+    (pyproject.toml), so that `make test-fast` leaves it out; the session's
+    shared_stack is everyone's."""
+    item = _running[0] if _running else None
+    if item is not None and item.get_closest_marker("stack") is None:
+        pytest.fail(f"{item.nodeid} starts processes of its own: mark it @pytest.mark.stack", pytrace=False)
+
+
 class Stack:
     """A broker and its workers as child processes; logs go to files in `dir`.
     `curve=True`: frontend and backend on tcp with CURVE, keys under `keys`
@@ -121,7 +139,10 @@ class Stack:
         transport: str = "ipc",
         curve: bool = False,
         env: dict[str, str] | None = None,
+        shared: bool = False,
     ):
+        if not shared:
+            own_processes()
         self.dir = Path(tempfile.mkdtemp(prefix="kvmux-t-", dir="/tmp"))  # short: ipc paths are limited
         self.env = env or {}  # for every process, e.g. KERNELS["haswell"]
         if transport == "ipc" and not curve:
@@ -259,6 +280,7 @@ class Daemon:
     def __init__(
         self, tmp: Path, *, slabs: int = 2, workers: int = 1, args=(), wait: bool = True, env: dict | None = None
     ):
+        own_processes()
         self.tmp = tmp
         self.run = Path(tempfile.mkdtemp(prefix="kvmux-d-", dir="/tmp"))  # short: ipc paths are limited
         self.frontend = f"ipc://{self.run}/f.ipc"
@@ -304,7 +326,7 @@ class Daemon:
         """SIGKILL every worker and the broker at once (workers run in
         sessions of their own: found by their parent, before it dies and
         they get the SIGTERM their parent-death signal sends)."""
-        for pid in [*_children(self.proc.pid), self.proc.pid]:
+        for pid in [*children(self.proc.pid), self.proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -327,7 +349,7 @@ class Daemon:
         self.stop()
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     out = []
     for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -357,9 +379,17 @@ def stack_factory():
 @pytest.fixture(scope="session")
 def shared_stack():
     """One broker + one worker with 8 slabs for tests that kill nothing."""
-    stack = Stack(workers=1, slabs=8)
+    stack = Stack(workers=1, slabs=8, shared=True)
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def base(shared_stack, tmp_path_factory):
+    """The base URL of one `kvmux http` in front of shared_stack for the
+    session, with the API keys KEY and OTHER_KEY."""
+    with http_gateway(shared_stack, tmp_path_factory.mktemp("http"), [KEY, OTHER_KEY]) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ from conftest import Stack
 
 from kvmux.client import Client, Overloaded
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 CLIENTS = 20
 QUEUED = 16
 

@@ -15,6 +15,8 @@ from test_broker_frames import Raw, expect_error
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 
 @pytest.fixture(scope="module")
 def stack():

@@ -78,6 +78,7 @@ def test_percentiles():
     assert 0.1 < p99 < 10.0  # the one slow wait shows in the tail, not the median
 
 
+@pytest.mark.stack
 def test_batch_invariant_from_toml_reaches_the_local_workers(tmp_path):
     """`batch_invariant = true` in the TOML: `kvmux serve`'s worker makes
     every pass row-invariant (with float32 weights on AVX2 BLAS kernels too,

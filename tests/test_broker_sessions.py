@@ -14,6 +14,8 @@ from kvmux import protocol as p
 from kvmux.client import Client, SessionExpired
 from kvmux.protocol import Op
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 IDLE_S = 1.0
 
 

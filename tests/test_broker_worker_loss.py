@@ -12,6 +12,8 @@ import pytest
 from kvmux import protocol as p
 from kvmux.client import Client, WorkerLost
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 
 def test_worker_killed_mid_generation(stack_factory):
     stack = stack_factory(workers=1, slabs=2)

@@ -21,6 +21,8 @@ from chat_formats import FORMATS, Chat, Format
 from kvmux.bench.peers import export_mlx_dir
 from kvmux.client import Client
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 SYSTEM = "You are terse."
 QUESTIONS = ["Name a fruit.", "And a colour?", "Now a planet.", "A tree?", "Last one: a river."]
 STACKS = {  # one daemon per template; Qwen3's serves a session with thinking on and one with it off

@@ -217,6 +217,7 @@ def test_dead_broker_is_a_timeout(tmp_path):
     assert isinstance(err.value, TimeoutError) and time.monotonic() - started < 5
 
 
+@pytest.mark.stack
 def test_overloaded_worker_lost_and_expired(stack_factory):
     stack = stack_factory(workers=1, slabs=1, broker_args=["--idle-timeout-s", "3"])
     with Client(stack.frontend, timeout=30) as c:

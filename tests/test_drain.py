@@ -21,6 +21,8 @@ from conftest import STARTUP_TIMEOUT_S, broker_stats, kvmux_command
 
 from kvmux.client import Client, Forbidden, Overloaded
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 GRACE_S = 2.0
 
 

@@ -33,6 +33,7 @@ def conversation(i: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)], f"And another one, number {i}?", "Now say it in French."]
 
 
+@pytest.mark.stack
 def test_more_sessions_than_slabs_round_robin(stack_factory):
     """12 sessions on 2 slabs, reject policy: every turn is served (idle
     sessions hibernate), and every reply equals the same conversation run
@@ -58,6 +59,7 @@ def test_more_sessions_than_slabs_round_robin(stack_factory):
             assert got[i] == want, f"session {i}: {got[i]} != {want}"
 
 
+@pytest.mark.stack
 def test_killed_client_pins_nothing(stack_factory):
     """A client SIGKILLed while holding both slabs: a new client opens two
     sessions at once within 5 s, and the dead client's sessions resume by id
@@ -95,6 +97,7 @@ def test_killed_client_pins_nothing(stack_factory):
         proc.wait()
 
 
+@pytest.mark.stack
 def test_worker_killed_mid_generation_restarts_and_resumes(tmp_path):
     """SIGKILL of the daemon's local worker mid-stream: the stream gets
     `worker_lost`, the daemon restarts the worker within 10 s, and the
@@ -129,6 +132,7 @@ def test_worker_killed_mid_generation_restarts_and_resumes(tmp_path):
         assert daemon.events("local_worker_restart"), daemon.logs()
 
 
+@pytest.mark.stack
 def test_whole_daemon_killed_then_served_again(tmp_path):
     """SIGKILL of the broker and every worker, then `kvmux serve` again on
     the same state dir: every session resumes by id, history intact."""
@@ -146,6 +150,7 @@ def test_whole_daemon_killed_then_served_again(tmp_path):
         assert client.stats().sessions == 3
 
 
+@pytest.mark.stack
 def test_workers_keep_their_sessions_while_the_broker_restarts(stack_factory):
     """SIGKILL of the broker alone: its worker keeps the slab, registers with
     the new broker listing its sessions, and they go on where they were."""
@@ -165,6 +170,7 @@ def test_workers_keep_their_sessions_while_the_broker_restarts(stack_factory):
         assert client.stats().sessions == 1
 
 
+@pytest.mark.stack
 def test_corrupt_records_are_typed_errors(tmp_path):
     """A truncated and a garbage record: those sessions answer
     `session_corrupt`; the others are served; no process dies."""
@@ -214,6 +220,7 @@ def test_a_record_from_before_chat_template_kwargs_loads_with_none(tmp_path):
     assert loaded.rendered == record.rendered
 
 
+@pytest.mark.stack
 def test_open_right_after_serve_starts_waits_for_the_worker(tmp_path):
     daemon = Daemon(tmp_path, slabs=1, wait=False)
     try:
@@ -227,6 +234,7 @@ def test_open_right_after_serve_starts_waits_for_the_worker(tmp_path):
         daemon.stop()
 
 
+@pytest.mark.stack
 def test_reject_still_refuses_when_every_slab_runs(stack_factory):
     """`overloaded` now means every slab is busy with running work."""
     stack = stack_factory(workers=1, slabs=1, broker_args=["--admission", "reject"])

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from conftest import Stack
 
 from kvmux.bench.fuzz import campaign, rss_kb
 from kvmux.client import Client
+
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
 
 WARMUP_FRAMES = 100_000
 FRAMES = 100_000

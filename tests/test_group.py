@@ -22,6 +22,8 @@ from conftest import Daemon, kvmux_command
 
 from kvmux.client import Client, errors
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 SAME_KERNELS = {"OPENBLAS_NUM_THREADS": "1"}
 ARGS = ("--batch-invariant",)
 PROMPTS = ("Name three colors.", "Why is the sky blue?", "Write a haiku about the sea.")

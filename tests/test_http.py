@@ -8,17 +8,14 @@ import time
 
 import openai
 import pytest
-from conftest import KEY, Stack, api, broker_stats, http_gateway
+from conftest import api, broker_stats
 
 from kvmux.client import Client
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    stack = Stack(workers=1, slabs=8)
-    with http_gateway(stack, tmp_path_factory.mktemp("http"), [KEY, "sk-other"]) as base:
-        yield stack, base
-    stack.stop()
+@pytest.fixture
+def gateway(shared_stack, base):
+    return shared_stack, base
 
 
 def ask(client: openai.OpenAI, messages, **options):

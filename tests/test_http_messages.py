@@ -7,7 +7,7 @@ import json
 
 import anthropic
 import pytest
-from conftest import KEY, http_gateway
+from conftest import KEY
 
 WEATHER = {
     "name": "get_weather",
@@ -20,12 +20,6 @@ WEATHER = {
     },
 }
 PICK_WEATHER = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
-
-
-@pytest.fixture(scope="module")
-def base(shared_stack, tmp_path_factory):
-    with http_gateway(shared_stack, tmp_path_factory.mktemp("http"), [KEY]) as base:
-        yield base
 
 
 def client(base: str, **options) -> anthropic.Anthropic:

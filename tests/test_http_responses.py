@@ -10,7 +10,7 @@ import json
 
 import openai
 import pytest
-from conftest import KEY, Daemon, api, http_gateway
+from conftest import KEY, OTHER_KEY, Daemon, api, http_gateway
 
 WEATHER = {
     "type": "function",
@@ -24,12 +24,6 @@ WEATHER = {
     },
 }
 QUESTIONS = ("Name a colour.", "Name a fruit.", "Name an animal.", "Name a city.")
-
-
-@pytest.fixture(scope="module")
-def base(shared_stack, tmp_path_factory):
-    with http_gateway(shared_stack, tmp_path_factory.mktemp("http"), [KEY]) as base:
-        yield base
 
 
 def create(client: openai.OpenAI, **options):
@@ -158,6 +152,34 @@ def test_function_tools_round_trip_and_structured_output(base):
     assert isinstance(json.loads(shaped.output_text)["n"], int)
 
 
+def test_a_named_tool_choice_is_one_call_and_a_cut_call_is_incomplete(base):
+    client = api(base)
+    named = {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
+    called, _ = create(client, input="What is the weather in Paris?", max_output_tokens=200, **named)
+    assert called.status == "completed" and [item.type for item in called.output] == ["function_call"]
+    assert json.loads(called.output[0].arguments)["city"] and called.output[0].status == "completed"
+    cut, _ = create(client, input="What is the weather in Paris?", max_output_tokens=20, **named)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    call = cut.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "incomplete"
+    assert called.output[0].arguments.startswith(call.arguments)  # as far as it was generated
+
+
+def test_a_stored_response_is_found_by_its_name_for_its_key_alone(base):
+    mine, session = create(api(base), input="Name a colour.")
+    assert session not in mine.id  # found through the broker's name index, not its session id
+    assert api(base).responses.retrieve(mine.id).output_text == mine.output_text
+    other = api(base, key=OTHER_KEY)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        create(other, input="And a fruit?", previous_response_id=mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(mine.id)
+    on, same = create(api(base), input="And a fruit?", previous_response_id=mine.id)
+    assert same == session and on.usage.input_tokens_details.cached_tokens == held(mine)
+
+
 def test_refusals_in_openai_shape(base):
     client = api(base)
     with pytest.raises(openai.BadRequestError) as refused:
@@ -192,6 +214,7 @@ def test_conversations_outlive_the_gateway_and_gateways_agree(shared_stack, tmp_
         assert on.usage.input_tokens_details.cached_tokens > 20 and prefilled(on) < 30
 
 
+@pytest.mark.stack
 def test_a_chain_goes_on_after_a_daemon_restart(tmp_path):
     with Daemon(tmp_path, slabs=2) as daemon, http_gateway(daemon, tmp_path, [KEY]) as gateway:
         responses, sessions = chain(api(gateway), QUESTIONS[:2])

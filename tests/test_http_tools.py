@@ -7,16 +7,10 @@ import json
 
 import openai
 import pytest
-from conftest import KEY, api, http_gateway
+from conftest import api
 from schemas import ADD, PERSON, WEATHER, valid
 
 TOOLS = [{"type": "function", "function": tool} for tool in (WEATHER, ADD)]
-
-
-@pytest.fixture(scope="module")
-def base(shared_stack, tmp_path_factory):
-    with http_gateway(shared_stack, tmp_path_factory.mktemp("http"), [KEY]) as base:
-        yield base
 
 
 def chat(client: openai.OpenAI, messages, stream: bool = False, **options):
@@ -146,10 +140,50 @@ def test_refusals_name_the_parameter(base):
         ({"tool_choice": "required"}, "no tools"),
         ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "array"}}}]}, "object"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice none"),
     ]
     for options, named in cases:
         with pytest.raises(openai.BadRequestError, match=named) as bad:
             client.chat.completions.create(model="kvmux", messages=hi, max_tokens=4, **options)
         assert bad.value.status_code == 400
     assert client.chat.completions.create(model="kvmux", messages=hi, max_tokens=2, frequency_penalty=0).choices
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_is_exactly_one_call_of_it(base, stream):
+    """As openai-agents asks through chat completions: parallel calls left at their default."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    message, finish, _, _ = chat(api(base), ask, stream, tools=TOOLS, tool_choice=named, max_tokens=200)
+    assert finish == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert valid(json.loads(message["tool_calls"][0]["function"]["arguments"]), WEATHER["parameters"])
+
+
+def test_a_call_cut_by_max_tokens_is_a_cut_call(base):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    replies = [
+        chat(api(base), ask, stream, tools=TOOLS, tool_choice="required", max_tokens=22) for stream in (False, True)
+    ]
+    for message, finish, _, _ in replies:
+        assert finish == "length" and len(message["tool_calls"]) == 1 and not message.get("content"), message
+        function = message["tool_calls"][0]["function"]
+        assert function["name"] in ("get_weather", "add") and function["arguments"].startswith("{")
+        with pytest.raises(json.JSONDecodeError):  # its arguments as far as they were generated
+            json.loads(function["arguments"])
+    assert replies[0][0]["tool_calls"][0]["function"] == replies[1][0]["tool_calls"][0]["function"]  # as streamed
+
+
+def test_a_format_beside_tools_holds_the_answer_and_calls_still_parse(base):
+    client = api(base)
+    total = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"], "additionalProperties": False}  # fmt: skip
+    shaped = {"type": "json_schema", "json_schema": {"name": "total", "schema": total, "strict": True}}
+    answers = {}
+    for tools, question in ((TOOLS[1:], "Add 2 and 3."), (TOOLS, "What is the weather in Paris?")):
+        ask = [{"role": "user", "content": question}]
+        answers[question] = chat(client, ask, tools=tools, response_format=shaped, max_tokens=120)
+    message, finish, _, _ = answers["Add 2 and 3."]  # the model answers: in the format
+    assert finish == "stop" and "tool_calls" not in message and valid(json.loads(message["content"]), total), message
+    message, finish, _, _ = answers["What is the weather in Paris?"]  # the model calls: calls, parsed
+    assert finish == "tool_calls" and message["tool_calls"] and not message.get("content"), message
+    for call in message["tool_calls"]:
+        tool = {"get_weather": WEATHER, "add": ADD}[call["function"]["name"]]
+        assert valid(json.loads(call["function"]["arguments"]), tool["parameters"])

@@ -12,6 +12,8 @@ import pytest
 
 from kvmux.client import Client
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

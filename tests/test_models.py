@@ -71,6 +71,7 @@ def served(frontend: str, turns: list[list[int]], new_tokens: int) -> tuple[list
         return replies, session.info()
 
 
+@pytest.mark.stack
 def test_greedy_tokens_equal_transformers(gemma, gemma_path, gemma_stack):
     """The worker's greedy tokens are transformers' own model's greedy
     choices, each after the prompt and the tokens before it (one forward
@@ -106,6 +107,7 @@ def mlx_lm_greedy(model, cache, ids: list[int], new_tokens: int, eos: set[int]) 
     return out
 
 
+@pytest.mark.stack
 def test_a_chat_past_the_sliding_window_matches_mlx_lm(gemma, gemma_stack):
     """Turns in Gemma's chat format until the history is well past 512
     tokens: the sliding layers' slab caches wrap while the global layers
@@ -143,6 +145,7 @@ def test_a_chat_past_the_sliding_window_matches_mlx_lm(gemma, gemma_stack):
     assert info.slab_bytes == (sliding + globals_ * (info.sink + info.window + spare)) * slot
 
 
+@pytest.mark.stack
 def test_a_chat_with_gemma3s_template(gemma, gemma_stack):
     """Chat messages through the daemon in Gemma 3's own vocabulary: each
     turn prefills only its message and the generation prompt, the system
@@ -161,6 +164,7 @@ def test_a_chat_with_gemma3s_template(gemma, gemma_stack):
     assert gemma.tokenizer.decode(info.token_ids) == chat.history_text
 
 
+@pytest.mark.stack
 def test_sessions_past_the_sliding_window_decode_together_as_alone(gemma, gemma_stack):
     """Four Gemma sessions, their histories past the 512-token sliding
     window, decode together (shared passes, worker/forward.py) and then
@@ -292,6 +296,7 @@ def llama3_stack(llama3, llama3_path):
     stack.stop()
 
 
+@pytest.mark.stack
 def test_a_chat_with_a_llama3_gguf(llama3, llama3_stack):
     """The daemon serves that Llama 3.1 file: a chat turn is rendered by the
     file's own template (Llama 3.1 Instruct's, its special tokens one token
@@ -318,6 +323,7 @@ def test_a_chat_with_a_llama3_gguf(llama3, llama3_stack):
     assert reply == mlx_lm_greedy(llama3.model, llama3.model.make_cache(), expected, 6, tokenizer.eos_token_ids)
 
 
+@pytest.mark.stack
 def test_llama31_tools_through_the_daemon(llama3, llama3_stack):
     """Tools on the Llama 3.1 template: it renders them itself (in the first
     user turn), `tool_choice` required makes even random weights write a

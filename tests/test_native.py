@@ -210,6 +210,7 @@ def test_whole_model_logits_equal_the_float32_copys(models):
     assert mx.abs(kernel - fallback).max().item() < 1e-3 * mx.abs(fallback).max().item()
 
 
+@pytest.mark.stack
 def test_a_worker_without_the_kernel_serves_the_same_tokens(stack_factory, shared_stack, hf_tokenizer, near_tie):
     """`--cpu-kernel off` (what a worker does where the extension is not
     built): float32 copies on OpenBLAS's AVX2 kernels, whose rows depend on

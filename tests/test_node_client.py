@@ -16,6 +16,8 @@ import zmq.auth
 
 from kvmux.client import Client
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 PACKAGE = Path(__file__).resolve().parent.parent / "clients" / "typescript"
 NODE_TIMEOUT_S = 240
 

@@ -9,6 +9,8 @@ from conftest import Stack
 from kvmux import protocol as p
 from kvmux.client import Client, errors
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 
 @pytest.fixture(scope="module")
 def stack():

@@ -7,6 +7,8 @@ import pytest
 
 from kvmux.client import Client, Overloaded, WorkerLost
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 
 def test_tcp_worker_joins_and_leaves(stack_factory):
     stack = stack_factory(workers=1, slabs=1, transport="tcp")

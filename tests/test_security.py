@@ -38,6 +38,7 @@ def reply(session, text: str) -> list[int]:
     return [t for chunk in session.chat(text, max_tokens=4) for t in chunk.token_ids]
 
 
+@pytest.mark.stack
 def test_clients_without_an_allowed_key_get_nothing_through(curve_stack):
     sessions = curve_stack.stats().sessions
     with Client(curve_stack.frontend, timeout=1.5) as anonymous, pytest.raises(Timeout, match="CURVE"):
@@ -70,6 +71,7 @@ def test_clients_without_an_allowed_key_get_nothing_through(curve_stack):
     assert "curve_denied" in curve_stack.logs()
 
 
+@pytest.mark.stack
 def test_an_allowed_key_chats_and_owns_its_session(curve_stack):
     with keyed(curve_stack, "alice") as alice, keyed(curve_stack, "bob") as bob:
         session = alice.open_session(system="Be brief.")
@@ -100,6 +102,7 @@ def test_an_allowed_key_chats_and_owns_its_session(curve_stack):
         again.close()
 
 
+@pytest.mark.stack
 def test_drain_needs_an_admin(curve_stack):
     with keyed(curve_stack, "alice") as alice:
         with pytest.raises(Forbidden):
@@ -110,6 +113,7 @@ def test_drain_needs_an_admin(curve_stack):
     assert not curve_stack.stats().draining
 
 
+@pytest.mark.stack
 def test_a_worker_with_an_unknown_key_never_registers(curve_stack):
     rogue = curve_stack.dir / "rogue"
     rogue.mkdir()
@@ -145,6 +149,7 @@ def test_a_worker_with_an_unknown_key_never_registers(curve_stack):
         proc.wait()
 
 
+@pytest.mark.stack
 def test_a_key_added_or_removed_counts_without_a_restart(curve_stack):
     zmq.auth.create_certificates(curve_stack.dir, "carol")
     with (
@@ -180,6 +185,7 @@ def test_a_key_added_or_removed_counts_without_a_restart(curve_stack):
         carol.ping()
 
 
+@pytest.mark.stack
 def test_an_admin_key_drains_over_tcp(tmp_path):
     stack = Stack(workers=0, curve=True)
     try:

@@ -62,6 +62,7 @@ def together_and_alone(stack, hf_tokenizer, near_tie, count: int, tokens: int) -
         near_tie(prompts[i], alone[i], together[i], exact, sink=sink, window=window)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
     stack_factory, hf_tokenizer, near_tie, kernels
@@ -79,6 +80,7 @@ def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
     together_and_alone(stack, hf_tokenizer, near_tie, 8, 160)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stack_factory, hf_tokenizer, near_tie, kernels):
     """--batch-invariant pads every pass whatever it costs: sessions decode
@@ -89,17 +91,21 @@ def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stack_fac
     together_and_alone(stack, hf_tokenizer, near_tie, 3, 24)
 
 
-def test_a_session_keeps_streaming_while_another_appends_a_long_history(shared_stack, hf_tokenizer):
+@pytest.mark.stack
+def test_a_session_keeps_streaming_while_another_appends_a_long_history(stack_factory, hf_tokenizer):
     """A 2,000-token append shares passes with a running stream: the stream
     gets tokens all through the append, one per pass, and the passes carry a
     few prefill tokens each (worker/pace.py keeps such a pass within ~2x a
-    decode-only one), not a 128-token chunk; it keeps going after."""
+    decode-only one), not a 128-token chunk; it keeps going after. On a
+    worker of its own: its pace learns from this stream's rounds alone (a
+    shared worker's earlier rounds could hold the share at one token)."""
+    stack = stack_factory(workers=1, slabs=2)
     counting = hf_tokenizer.encode(", ".join(str(i) for i in range(1, 40)) + ",")  # the model counts on, no EOS
     long_text = " ".join(f"Item {i} is a small grey stone from the river bank." for i in range(170))
     arrivals: list[float] = []
     result = {}
     with (
-        Client(shared_stack.frontend, timeout=300) as client,
+        Client(stack.frontend, timeout=300) as client,
         client.open_session() as streaming,
         client.open_session() as appending,
     ):

@@ -21,6 +21,8 @@ from kvmux.client import Client, WorkerLost
 from kvmux.sessions import Fenced, LocalStore, SessionRecord
 from kvmux.sessions.redis_store import RedisStore
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 GREEDY = {"temperature": 0.0, "speculative": "off"}
 
 

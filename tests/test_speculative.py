@@ -15,6 +15,8 @@ from conftest import KERNELS, Stack, broker_stats, kvmux_command
 from kvmux import protocol as p
 from kvmux.client import Client, errors
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 PASSAGE = (
     "The lighthouse stood on a rock at the edge of the bay. Every night the keeper climbed its one hundred "
     "and twelve steps, trimmed the wick, polished the lens and wound the clockwork that turned the light. "

@@ -14,6 +14,8 @@ from schemas import ADD, PERSON, WEATHER, valid
 from kvmux import protocol as p
 from kvmux.client import Client, errors
 
+pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
+
 
 @pytest.fixture(scope="module")
 def stack():
@@ -99,7 +101,6 @@ def test_bad_formats_and_tool_choices_are_refused_and_the_session_is_untouched(c
             ({"format": {"type": "lark", "grammar": 'start: "a" missing'}, "tool_choice": "none"}, "format"),
             ({"format": {"type": "gbnf", "grammar": "root ::= ("}, "tool_choice": "none"}, "gbnf"),
             ({"format": {"type": "xml"}, "tool_choice": "none"}, "format type"),
-            ({"format": {"type": "json_object"}}, "tool_choice none"),  # a format beside callable tools
             ({"tool_choice": {"name": "get_time"}}, "get_time"),
             ({"tool_choice": "always"}, "tool_choice"),
             ({"logprobs": 21}, "logprobs"),

@@ -59,7 +59,8 @@ class Grammars:
         return json.dumps(text)
 
     def of_format(self, fmt: Format) -> str:
-        """The llguidance grammar of a Format; invalid_argument if it is not one."""
+        """The llguidance grammar (its JSON form) of a Format; invalid_argument
+        if it is not one."""
         kind = fmt.type
         if kind == FormatType.JSON_OBJECT:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object", "x-guidance": COMPACT})
@@ -81,9 +82,18 @@ class Grammars:
                     text = llguidance.gbnf_to_lark.gbnf_to_lark(text)
                 except Exception as exc:  # its parser's own errors, of any type
                     raise _invalid(f"format gbnf: {exc}") from None
-            return llguidance.LLMatcher.grammar_from_lark(text)
+            return json.dumps({"grammars": [{"lark_grammar": text}]})
         kinds = ", ".join(k.value for k in FormatType)
         raise _invalid(f"format type must be one of {kinds}")
+
+    @staticmethod
+    def either(calls: str, answer: str) -> str:
+        """A reply of tool calls (`calls`: Lark rules whose `calls` is one,
+        worker/tool_calls.py) or the answer a format's grammar lets through
+        (of_format's, nested as @answer)."""
+        grammars = json.loads(answer)["grammars"]
+        top = [{"lark_grammar": f"start: calls | @answer\n{calls}"}, {**grammars[0], "name": "answer"}, *grammars[1:]]
+        return json.dumps({"grammars": top})
 
     def constraint(self, grammar: str, what: str) -> Constraint:
         """A matcher for one generation; invalid_argument naming `what`

@@ -22,36 +22,31 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import msgspec
-import numpy as np
-from mlx_lm.sample_utils import make_sampler
 
 from kvmux import logs
 from kvmux.protocol import (
     DEFAULT_MAX_APPEND_TOKENS,
     DEFAULT_MAX_TOKENS_LIMIT,
     ErrorCode,
-    Format,
     Logprobs,
-    NamedTool,
     ProtocolError,
     Sampling,
     SpeculativeMode,
     StopReason,
-    TokenLogprob,
     Tool,
     ToolChoice,
 )
 from kvmux.sessions import SessionState
 
 from . import forward, padding, tool_calls
-from .constraint import Constraint, Grammars, masked
+from .constraint import Grammars
 from .conversation import Conversation
+from .decoding import Choice, Emission, GenerationParams
 from .drafter import DraftCache, Drafter
 from .lookup import SEPARATOR, Lookup
 from .model import LoadedModel
 from .slab import SlabCache, live_bytes, rewind, widest
-from .speculative import MAX_DRAFT, DraftLength, Proposal, accept_greedy, accept_sampled, distributions
-from .stops import StopMatcher
+from .speculative import MAX_DRAFT, DraftLength, Proposal
 
 log = logs.get("worker.engine")
 
@@ -86,22 +81,6 @@ class LiveSession(SessionState, kw_only=True, eq=False):
     @property
     def kv_live_bytes(self) -> int:
         return live_bytes(self.slab) + (live_bytes(self.draft.slab) if self.draft else 0)
-
-
-@dataclass
-class GenerationParams:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    stop: list[str]
-    speculative: SpeculativeMode
-    format: Format | None = None
-    tool_choice: str | NamedTool = ToolChoice.AUTO
-    parallel_tool_calls: bool = True
-    logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
-    constraint: Constraint | None = None  # the grammar this generation follows (Engine.constrain)
 
 
 @dataclass
@@ -258,6 +237,8 @@ class Engine:
                 params.tool_choice = ToolChoice(params.tool_choice)
             except ValueError:
                 problems.append("tool_choice must be auto, none, required or a function ({name})")
+        else:  # a named function: exactly one call of it (as vLLM constrains it)
+            params.parallel_tool_calls = False
         if params.logprobs is not None and not 0 <= params.logprobs <= MOST_TOP_LOGPROBS:
             problems.append(f"logprobs must be within 0..{MOST_TOP_LOGPROBS}")
         try:
@@ -288,29 +269,25 @@ class Engine:
         return bool(session.tools) and params.tool_choice != ToolChoice.NONE
 
     def constrain(self, session: LiveSession, params: GenerationParams) -> None:
-        """Give a generation its grammar (params.constraint): the format's,
-        or the tool call one of tool_choice required or a named function.
-        invalid_argument for a grammar llguidance refuses, a choice of no
-        tool, or a format beside tools the model may call."""
+        """Give a generation its grammar (params.constraint): the calls of
+        tool_choice required or a named function (a format then holds the
+        answer a later turn gives); else the format's, which beside tools
+        the model may call lets through calls or the formatted answer.
+        invalid_argument for a grammar llguidance refuses or a choice of no
+        tool."""
         params.constraint = None
-        if params.format is not None:
-            if self.calls_tools(session, params):
-                raise ProtocolError(
-                    ErrorCode.INVALID_ARGUMENT,
-                    "format shapes a text reply: with tools, set tool_choice none to use it",
-                )
-            params.constraint = self.grammars.constraint(self.grammars.of_format(params.format), "format")
-            return
-        if not session.tools:
-            if params.tool_choice not in (ToolChoice.AUTO, ToolChoice.NONE):
-                raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "tool_choice: the session has no tools")
-            return
-        choice = params.tool_choice
-        grammar = tool_calls.grammar(
-            session.tools, choice, params.parallel_tool_calls, self.tool_format, self.grammars.marker
-        )
-        if grammar is not None:
-            params.constraint = self.grammars.constraint(grammar, "tool_choice")
+        if not session.tools and params.tool_choice not in (ToolChoice.AUTO, ToolChoice.NONE):
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "tool_choice: the session has no tools")
+        answer = self.grammars.of_format(params.format) if params.format is not None else None
+        calls, parallel = self.calls_tools(session, params), params.parallel_tool_calls
+        marker, fmt = self.grammars.marker, self.tool_format
+        forced = tool_calls.grammar(session.tools, params.tool_choice, parallel, fmt, marker) if calls else None
+        if forced is not None:
+            params.constraint = self.grammars.constraint(forced, "tool_choice")
+        elif answer is not None:
+            if calls:  # auto
+                answer = self.grammars.either(tool_calls.calls_rules(session.tools, parallel, fmt, marker), answer)
+            params.constraint = self.grammars.constraint(answer, "format")
 
     # ------------------------------------------------------------ tokens
 
@@ -358,117 +335,51 @@ class Engine:
         coroutine of `Step`s and `NewToken`s that returns a `GenerationEnd`.
 
         Each step runs the token to feed (and, when speculating, the drafts
-        after it) as decode rows. Without drafts the next token is sampled
-        asynchronously while this one is detokenized and sent, as in
-        mlx-lm's generate_step. With drafts the verify pass's choices decide
-        which stand; the rest are taken back out of the slab. Every exit
-        leaves the slab holding exactly the tokens sent and `logits` after
-        the last of them.
+        after it) as decode rows; the pass's logits choose what stands and
+        what follows (worker/decoding.py's Choice), the rest is taken back
+        out of the slab, and each token that stands goes out (Emission).
+        Every exit leaves the slab holding exactly the tokens sent and
+        `logits` after the last of them.
         """
         if session.logits is None:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
-        sampler = make_sampler(params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0, top_k=params.top_k)
-        sampling = (params.temperature, params.top_p, params.top_k) if params.temperature else None
-
-        def sample(logits: mx.array, step: int) -> mx.array:
-            if not params.temperature:
-                return mx.argmax(logits, axis=-1)  # on the logits as they are: the verify pass's choice too
-            # Reseed per step: sessions interleave on one global PRNG, and a
-            # seed must give the same tokens however they interleave.
-            mx.random.seed((params.seed * 1_000_003 + step) & 0xFFFFFFFF)
-            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-        detok = self.tokenizer.detokenizer
-        stops = StopMatcher(params.stop)
+        choice, emission = Choice(params), Emission(self.tokenizer, params, self.eos)
         result = GenerationEnd(StopReason.CANCELLED, "")
-        grammar = params.constraint
-        emitted, cancelled, known = 0, False, None
+        emitted, known = 0, None
         row = session.logits  # the logits `y` is drawn from (for its logprobs)
-        y = sample(masked(row, grammar.allowed([])[1]) if grammar else row, 0)
+        y = choice.first(row)
         while True:
-            rng = np.random.default_rng([params.seed & 0xFFFFFFFF, emitted]) if sampling else None
-            if grammar and known is None:
+            rng = choice.rng(emitted)
+            if choice.grammar and known is None:
                 known = y.item()  # the grammar needs it now anyway: the lookup may as well use it
-            proposal = self._propose(session, params, y, known, params.max_tokens - emitted - 1, sampling, rng)
-            offered, masks = proposal, None  # what was drafted (a draft cache settles by it)
-            if grammar:  # `y` stands: the masks are for what follows it (and each draft the grammar allows)
-                grammar.advance([y.item()])
-                drafts, masks = grammar.allowed(proposal.tokens if proposal else [])
-                proposal = proposal.cut(len(drafts)) if proposal else None
+            offered = self._propose(session, params, y, known, params.max_tokens - emitted - 1, choice.sampling, rng)
+            proposal, masks = choice.drafts(y, offered)  # `offered`: what was drafted (a draft cache settles by it)
             tokens = mx.concatenate([y, mx.array(proposal.tokens)]) if proposal else y
             logits, cancelled = yield Step(session, tokens, rows=True)
-            choosing = masked(logits, masks) if grammar else logits
+            kept, y_next, known = choice.next(logits, masks, proposal, rng, emitted)
             if proposal:
-                if sampling:
-                    kept, following = accept_sampled(distributions(choosing, *sampling), proposal, rng)
-                else:
-                    choices = mx.argmax(choosing, axis=-1).tolist()
-                    kept = accept_greedy(choices, proposal.tokens)
-                    following = choices[kept]
                 session.drafting.update(len(proposal.tokens), kept)
                 result.drafted += len(proposal.tokens)
                 result.accepted += kept
                 self.drafted += len(proposal.tokens)
                 self.accepted += kept
-                y_next, known = mx.array([following]), following
-                new = [y.item(), *proposal.tokens[:kept]]
-                if grammar:
-                    grammar.advance(proposal.tokens[:kept])
-            else:
-                kept = 0
-                y_next, known = sample(choosing, emitted + 1), None
-                mx.async_eval(y_next)
-                new = [y.item()]
+            new = [y.item(), *(proposal.tokens[:kept] if proposal else [])]
             for i, token in enumerate(new):
                 emitted += 1
                 session.history.append(token)
                 session.replay.append(1)
-                is_eos = token in self.eos
-                if not is_eos:
-                    detok.add_token(token)
-                reason = None
-                if is_eos:
-                    reason = StopReason.EOS
-                elif emitted == params.max_tokens:
-                    reason = StopReason.MAX_TOKENS
-                elif cancelled:
-                    reason = StopReason.CANCELLED
-                if reason:
-                    detok.finalize()
-                text, hit = stops.push(detok.last_segment)
-                if hit:
-                    reason = StopReason.STOP
-                elif reason:
-                    text += stops.flush()  # nothing more can complete a stop string
-                chances = None
-                if params.logprobs is not None:  # token i of `new` was drawn from the row before it
-                    chances = self._logprobs(row if i == 0 else logits[i - 1 : i], token, params.logprobs)
+                # token i of `new` was drawn from the row before it
+                text, reason, chances = emission.token(token, emitted, cancelled, row if i == 0 else logits[i - 1 : i])
                 cancelled = yield NewToken(token, text, chances)
                 if reason:
                     self._settle(session, len(tokens), i + 1, offered)
                     session.logits = logits[i : i + 1]
                     mx.eval(session.logits, [layer.state for layer in session.slab])
-                    result.reason, result.text = reason, detok.text
+                    result.reason, result.text = reason, emission.text
                     self._remember(session, params, emitted)
                     return result
             self._settle(session, len(tokens), len(new), offered)
             y, row = y_next, logits[kept : kept + 1]
-
-    def _logprobs(self, row: mx.array, token: int, top: int) -> Logprobs:
-        """`token`'s log-probability under the model's distribution `row`
-        (its logits, before temperature, top-p or a grammar), and the `top`
-        most likely tokens there."""
-        logprobs = (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
-        decode = self.tokenizer.decode
-        best = []
-        if top:
-            ids = mx.argpartition(-logprobs, top - 1)[:top]
-            values = logprobs[ids].tolist()
-            best = sorted(
-                (TokenLogprob(t, v, decode([t])) for t, v in zip(ids.tolist(), values, strict=True)),
-                key=lambda e: -e.logprob,
-            )
-        return Logprobs(token=token, logprob=logprobs[token].item(), text=decode([token]), top=best)
 
     def _propose(
         self,

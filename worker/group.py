@@ -26,47 +26,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import weakref
-from dataclasses import dataclass
 
 import mlx.core as mx
 import msgspec
 import numpy as np
 
 from kvmux import logs
-from kvmux.sessions import SessionStore, StoreError
+from kvmux.sessions import SessionStore, StoreError, open_store
 from kvmux.sessions.snapshot import part_name
 
 from .forward import Floors, Segment, run_layers, supported
+from .layout import Layout, Part
+from .model import load
 from .slab import SlabCache, copy_slab, make_slab
 
 log = logs.get("worker.group")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a worker splits its model: the layer range each rank holds."""
-
-    spans: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def even(cls, layers: int, ranks: int) -> Layout:
-        if not 1 <= ranks <= layers:
-            raise ValueError(f"--pipeline {ranks}: the model has {layers} layers, one rank needs one at least")
-        bounds = [layers * r // ranks for r in range(ranks + 1)]
-        return cls(tuple(itertools.pairwise(bounds)))
-
-    @property
-    def ranks(self) -> int:
-        return len(self.spans)
-
-    def __str__(self) -> str:
-        """What a record notes: "" for one process, else each rank's layers."""
-        if self.ranks == 1:
-            return ""
-        return f"pipeline {self.ranks}: layers " + " | ".join(f"{a}-{b - 1}" for a, b in self.spans)
 
 
 def join(ranks: int) -> mx.distributed.Group:
@@ -340,10 +316,6 @@ class GroupStore:
 def follower(config, group: mx.distributed.Group) -> int:
     """A later rank of `kvmux worker --pipeline N`: load its share of the
     model, then `follow`. Returns the exit code (2: the model refused)."""
-    from kvmux.sessions import open_store
-
-    from .model import Part, load
-
     mx.set_default_stream(mx.new_stream(mx.default_device()))  # as rank 0's compute thread does
     part = Part(group.rank(), group.size())
     try:

@@ -26,13 +26,12 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux import logs, paths
 
 from . import architectures, cpu_kernel, gguf_file
-from .group import Layout, Stages
+from .layout import Layout, Part, layer_windows
 from .slab import SlabCache, copy_slab, make_slab
 
 log = logs.get("worker.model")
@@ -57,7 +56,7 @@ class LoadedModel:
     quantized: bool  # weights kept quantized (a GPU, or the CPU kernel) or dequantized to float32
     windows: list[int | None]  # per layer: the sliding window it attends within, or None (all it is given)
     kernel: cpu_kernel.Kernel  # what multiplies quantized weights on a CPU
-    stages: Stages | None = None  # rank 0 of a worker group: the later layers, on the other ranks
+    stages: object | None = None  # rank 0 of a worker group (group.Stages): the later layers, on the other ranks
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -91,23 +90,6 @@ class LoadedModel:
         its own window's), on every rank."""
         slots = sum(layer.max_size for layer in make_slab(self.windows, sink, window, spare))
         return slots * self.kv_bytes_per_token // len(self.windows)
-
-
-def _windows(model: nn.Module) -> list[int | None]:
-    """Per layer, the window mlx-lm's own cache for the model bounds it to
-    (a RotatingKVCache; a KVCache keeps everything). A model whose layers
-    cache anything else (a recurrent state) has no place in a slab."""
-    if not hasattr(model, "make_cache"):
-        return [None] * len(model.layers)
-    windows = []
-    for cache in model.make_cache():
-        if type(cache) is RotatingKVCache:
-            windows.append(cache.max_size)
-        elif type(cache) is KVCache:
-            windows.append(None)
-        else:
-            raise ValueError(f"{type(model).__module__}: its layers keep a {type(cache).__name__}, not a KV cache")
-    return windows
 
 
 def gguf_tokenizer(path: Path):
@@ -193,42 +175,6 @@ def _to_cpu_float32(model: nn.Module) -> nn.Module:
     return model
 
 
-@dataclass
-class Part:
-    """The share of a model rank `rank` of a worker group of `ranks` holds:
-    its range of layers (`layout`, set by `keep`), and the embedding and
-    head where it is rank 0."""
-
-    rank: int
-    ranks: int
-    layout: Layout | None = None  # set by `keep`, as `windows`: every layer's (`_windows`)
-    windows: list[int | None] | None = None
-
-    def keep(self, model: nn.Module, weights: dict[str, mx.array] | None = None) -> dict[str, mx.array] | None:
-        """Drop the rest from `model` and from `weights` (its tensors by
-        parameter name, not loaded yet), before anything is read or
-        dequantized; the layers renumbered from 0."""
-        self.layout = Layout.even(len(model.model.layers), self.ranks)
-        self.windows = _windows(model)
-        start, stop = self.layout.spans[self.rank]
-        model.model.layers = model.model.layers[start:stop]
-        if self.rank:
-            model.model.pop("embed_tokens")
-            if "lm_head" in model:
-                model.pop("lm_head")
-        if weights is None:
-            return None
-        kept = {}
-        for name, array in weights.items():
-            if name.startswith("model.layers."):
-                index, rest = name[len("model.layers.") :].split(".", 1)
-                if start <= int(index) < stop:
-                    kept[f"model.layers.{int(index) - start}.{rest}"] = array
-            elif not self.rank or not name.startswith(("model.embed_tokens.", "lm_head.")):
-                kept[name] = array
-        return kept
-
-
 def load(
     path: str | Path | None = None,
     keep_quantized: bool | None = None,
@@ -284,7 +230,7 @@ def load(
     log.info(
         "model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()), kernel=used.describe()
     )
-    windows = part.windows if part else _windows(model)
+    windows = part.windows if part else layer_windows(model)
     return LoadedModel(
         model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=windows, kernel=used
     )

@@ -104,7 +104,8 @@ class Worker:
             from .drafter import check_tokenizers
             from .engine import PREFILL_CHUNK, Engine
             from .group import GroupStore, Stages, check_supported
-            from .model import Part, load
+            from .layout import Part
+            from .model import load
             from .padding import compute_info
             from .scheduler import Scheduler
             from .slab import SlabPool

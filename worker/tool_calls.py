@@ -10,9 +10,10 @@ SmolLM2's) gets the generic format: the tools described in the system
 prompt and calls as Hermes's, tool results as user turns in
 `<tool_response>` tags (docs/clients.md states it).
 
-`tool_choice` required or a named function is a Lark grammar over the
-format's markers and each function's JSON schema (worker/constraint.py
-enforces it); `auto` parses whatever the model writes.
+`tool_choice` required or a named function (exactly one call of it) is a
+Lark grammar over the format's markers and each function's JSON schema
+(worker/constraint.py enforces it); `auto` parses whatever the model
+writes, or, beside a format, lets through calls or the formatted answer.
 """
 
 from __future__ import annotations
@@ -153,6 +154,12 @@ def grammar(tools: list[Tool], choice: str | NamedTool, parallel: bool, fmt: Too
         chosen = tools
     else:
         return None
+    return f"start: calls\n{calls_rules(chosen, parallel, fmt, marker)}"
+
+
+def calls_rules(tools: list[Tool], parallel: bool, fmt: ToolFormat, marker) -> str:
+    """Lark rules whose `calls` is a reply of calls of `tools` in `fmt`:
+    one, or several where `parallel` and the format allow."""
     schema = {
         "anyOf": [
             {
@@ -161,7 +168,7 @@ def grammar(tools: list[Tool], choice: str | NamedTool, parallel: bool, fmt: Too
                 "required": ["name", fmt.arguments],
                 "additionalProperties": False,
             }
-            for t in chosen
+            for t in tools
         ],
         "x-guidance": COMPACT,
     }
@@ -170,10 +177,10 @@ def grammar(tools: list[Tool], choice: str | NamedTool, parallel: bool, fmt: Too
         items = {"type": "array", "items": schema, "minItems": 1, "x-guidance": COMPACT}
         if not several:
             items["maxItems"] = 1
-        return f"start: {marker(fmt.start)} call\ncall: %json {json.dumps(items)}\n"
+        return f"calls: {marker(fmt.start)} call\ncall: %json {json.dumps(items)}\n"
     call = f"{marker(fmt.start)} body {marker(fmt.end)}" if fmt.start else "body"
     repeat = ' ("\\n" call)*' if several else ""
-    return f"start: call{repeat}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
+    return f"calls: call{repeat}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
 
 
 # ---------------------------------------------------------------- parsing
@@ -324,18 +331,25 @@ class ToolCallStream:
         return rest
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The reply's text less its calls, and the calls that parsed
-        (an unfinished one, cut by max_tokens, stays text)."""
+        """The reply's text less its calls, and its calls: those that parsed,
+        and one the generation cut (max_tokens) once its name went out, with
+        its arguments as far as they were generated (as they streamed).
+        Another that does not parse stays text."""
         content, calls = self.content + ("" if self._after else self._held), []
         for call in self.calls:
-            parsed = _parse(call.text, self.fmt.arguments)
-            if parsed is None:  # what was generated, as text
-                content += self.fmt.start.strip() + call.text
-                continue
-            name, arguments = parsed
             scan = _scan(call.text, self.fmt.arguments)
-            raw = call.text[scan.args_start : scan.args_end] if scan.args_start is not None else json.dumps(arguments)
-            calls.append(ToolCall(id=call.id, name=name, arguments=raw))
+            parsed = _parse(call.text, self.fmt.arguments)
+            if parsed is not None:
+                name, arguments = parsed
+                raw = (
+                    call.text[scan.args_start : scan.args_end] if scan.args_start is not None else json.dumps(arguments)
+                )
+                calls.append(ToolCall(id=call.id, name=name, arguments=raw))
+            elif call.named and not call.done:  # cut
+                raw = call.text[scan.args_start :] if scan.args_start is not None else ""
+                calls.append(ToolCall(id=call.id, name=scan.name, arguments=raw))
+            else:  # what was generated, as text
+                content += self.fmt.start.strip() + call.text
         return content.strip() if calls else content, calls
 
 

@@ -32,7 +32,8 @@ def http(
 
     from kvmux import logs
 
-    from .app import Gateway, make_app
+    from .app import make_app
+    from .gateway import Gateway
 
     keys = []
     if api_key_file is not None:

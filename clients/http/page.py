@@ -1,7 +1,7 @@
 """The page at `/` (static/: plain HTML, CSS and JavaScript shipped in the
 package, nothing fetched from elsewhere) and what it calls beside chat
 completions: the caller's own sessions (the broker names each session's
-owner: one per API key, app._owner) and the daemon's stats, with the
+owner: one per API key, auth.owner) and the daemon's stats, with the
 gateway's own timings of the replies it streamed (no other process sees a
 reply's first token as its client does)."""
 
@@ -19,11 +19,9 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from kvmux import logs
-from kvmux import protocol as p
-from kvmux.client import errors
-
-from .app import SESSION_HEADER, Gateway, HTTPError, _check_key, _error, _from_kvmux, _owner, answered
+from . import auth, schemas
+from .errors import OPENAI, answered
+from .gateway import Gateway
 
 STATIC = Path(__file__).parent / "static"
 WINDOW_S = 600.0  # how far back the dashboard's plots go
@@ -34,7 +32,6 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-log = logs.get("http.page")
 
 
 class Metrics:
@@ -63,22 +60,15 @@ class Metrics:
 
 
 class Watch:
-    """ASGI middleware that leaves the routes as they are: refuses a
-    request pinning (X-Kvmux-Session) another key's session as unknown
-    (404), whatever its route, and times the replies POST
-    /v1/chat/completions streams: it answers once the first token is out,
-    so the first body chunk is the first token; the usage event
-    (stream_options.include_usage) ends the decode."""
+    """ASGI middleware that leaves the routes as they are and times the
+    replies POST /v1/chat/completions streams: it answers once the first
+    token is out, so the first body chunk is the first token; the usage
+    event (stream_options.include_usage) ends the decode."""
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            refusal = await _foreign_pin(scope["app"].state.gateway, Request(scope))
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
         if scope["type"] != "http" or scope["path"] != "/v1/chat/completions" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
@@ -115,37 +105,6 @@ def _decode_rate(event: bytes, seconds: float) -> float | None:
     return (tokens - 1) / seconds if tokens > 1 and seconds >= MIN_DECODE_S else None
 
 
-async def _foreign_pin(gateway: Gateway, request: Request) -> Response | None:
-    """A 404 for a pinned session that is not the caller's key's; None to
-    go on (a wrong key is the route's 401 to give). Without keys every
-    caller is the one loopback user."""
-    pinned = request.headers.get(SESSION_HEADER)
-    if not pinned or not gateway.api_keys:
-        return None
-    try:
-        _check_key(gateway, request)
-        await _own(gateway, request, pinned)
-    except HTTPError as exc:
-        return None if exc.status == 401 else _error(exc)
-    except errors.KvmuxError as exc:
-        return _error(_from_kvmux(exc))
-    return None
-
-
-async def _own(gateway: Gateway, request: Request, session_id: str) -> p.SessionSummary:
-    """The caller's session `session_id`; another key's is unknown (404)."""
-    for summary in await _mine(gateway, request):
-        if summary.session_id == session_id:
-            return summary
-    log.info("page_session_refused", session=session_id)
-    raise HTTPError(404, f"no session {session_id}", "invalid_request_error", str(p.ErrorCode.SESSION_NOT_FOUND))
-
-
-async def _mine(gateway: Gateway, request: Request) -> list[p.SessionSummary]:
-    owner = _owner(gateway, request)
-    return [s for s in await gateway.client.list_sessions() if s.owner == owner]
-
-
 def _plain(value: object) -> object:
     """As JSON builtins with every field: a Struct's to_builtins leaves out
     those at their default (live, exact, no refusals), which the page shows."""
@@ -157,23 +116,23 @@ def _plain(value: object) -> object:
 
 
 def _answer(handler):
-    """A JSON endpoint behind the gateway's API keys, with its error shape."""
+    """A JSON endpoint, with OpenAI's error shape."""
 
     async def endpoint(gateway: Gateway, request: Request) -> Response:
         return JSONResponse(await handler(gateway, request))
 
-    return answered(endpoint)
+    return answered(OPENAI)(endpoint)
 
 
 async def sessions(gateway: Gateway, request: Request) -> dict:
     """The caller's sessions, live and hibernated."""
-    return {"data": _plain(await _mine(gateway, request))}
+    return {"data": _plain(await auth.mine(gateway, request))}
 
 
 async def session(gateway: Gateway, request: Request) -> dict:
     """One of the caller's sessions with its info (a hibernated one's comes
     from its record: asking does not restore it)."""
-    summary = await _own(gateway, request, request.path_params["session_id"])
+    summary = await auth.own(gateway, request, request.path_params["session_id"])
     handle = await gateway.client.resume_session(summary.session_id)
     try:
         info = await handle.info()
@@ -186,18 +145,11 @@ async def rewind(gateway: Gateway, request: Request) -> dict:
     """Take one of the caller's sessions back to the end of an earlier turn
     (the page's regenerate: before the last message, which it then sends
     again): the slab keeps the rest of the conversation."""
-    summary = await _own(gateway, request, request.path_params["session_id"])
-    try:
-        messages = (await request.json())["messages"]
-    except (ValueError, TypeError, KeyError):
-        raise HTTPError(
-            400, 'the body must be {"messages": <count>}', "invalid_request_error", "invalid_value"
-        ) from None
-    if not isinstance(messages, int) or isinstance(messages, bool) or messages < 0:
-        raise HTTPError(400, "messages must be a count", "invalid_request_error", "invalid_value", param="messages")
+    summary = await auth.own(gateway, request, request.path_params["session_id"])
+    body = await schemas.read(request, schemas.Rewind)
     handle = await gateway.client.resume_session(summary.session_id)
     try:
-        return _plain(await handle.rewind(messages))
+        return _plain(await handle.rewind(body.messages))
     finally:
         handle.detach()
 

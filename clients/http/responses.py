@@ -2,12 +2,13 @@
 streamed as its typed server-sent events), GET and DELETE /v1/responses/{id}
 and GET /v1/responses/{id}/input_items.
 
-A response id names a point of a durable session: `resp_` + the session's
-id + a nonce. A stored response (`store`, true by default) is a named point
-of its session (protocol Mark) whose note keeps the response object, its
-input and the id it continued, in the session's record: so a chain
-(`previous_response_id`) costs only the new input's prefill and outlives the
-gateway, the daemon and the worker, with no state in the gateway.
+A stored response (`store`, true by default) is a named point of its
+session (protocol Mark) whose note keeps the response object, its input and
+the id it continued, in the session's record; its name is made of its id
+and its caller's, so the broker finds it (Find) for that caller alone. A
+chain (`previous_response_id`) thus costs only the new input's prefill and
+outlives the gateway, the daemon and the worker, with no state in the
+gateway.
 
 Continuing the newest response of a session appends to it. Continuing an
 older one (a branch) opens a copy of the session taken back to that
@@ -24,139 +25,59 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmux import logs
 from kvmux import protocol as p
 from kvmux.client import errors
 
-from .app import (
-    SESSION_HEADER,
-    ChatRequest,
-    Gateway,
-    HTTPError,
-    _bad,
-    _content,
-    _first,
-    _from_kvmux,
-    _message,
-    _numbers,
-    _owner,
-    _protocol_messages,
-    _tools,
-    answered,
-    chunks,
-    json_body,
-    speculative,
-)
-from .page import _own
+from . import auth, schemas, sse
+from .conversation import Chat, Reply, Usage, calls, content, options
+from .errors import RESPONSES, HTTPError, answered, bad
+from .gateway import SESSION_HEADER, Gateway
 
 log = logs.get("http.responses")
-
-_ID = re.compile(r"^resp_([0-9a-f]{32})[0-9a-f]{16}$")
-# Fields read, and those taken only at the value that changes nothing here;
-# any other is refused by name.
-FIELDS = {
-    "model", "input", "instructions", "previous_response_id", "store", "stream", "max_output_tokens",
-    "temperature", "top_p", "text", "tools", "tool_choice", "parallel_tool_calls", "metadata", "user",
-    "speculative",
-}  # fmt: skip
-NEUTRAL = {"truncation": ("disabled",), "background": (False,), "include": ([],), "reasoning": ({},)}
-ITEMS = ("message", "function_call", "function_call_output")
 
 
 def _not_found(response_id: str) -> HTTPError:
     return HTTPError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "not_found")
 
 
-def _session_of(response_id: object) -> str:
-    match = _ID.fullmatch(response_id) if isinstance(response_id, str) else None
-    if match is None:
-        raise _not_found(str(response_id))
-    return match.group(1)
-
-
 # ------------------------------------------------------------------ request
 
 
-def _input(value: object) -> list[dict]:
-    """The input as app.py keeps messages: a string is one user message; a
-    function_call item joins the assistant message before it (or starts one),
-    a function_call_output is a tool message."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise _bad("input must be a string or a non-empty list of items", "input")
+def _input(items: list[schemas.InputItem]) -> list[dict]:
+    """The input as the gateway keeps messages: a function_call item joins
+    the assistant message before it (or starts one), a
+    function_call_output is a tool message."""
     out: list[dict] = []
-    for item in value:
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind not in ITEMS:
-            raise _bad(f"input item type {kind} is not supported by kvmux: {', '.join(ITEMS)}", "input")
-        if kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
-                raise _bad("a function_call_output needs its call_id and an output string", "input")
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-        elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise _bad("a function_call needs a call_id, a name and arguments", "input")
-            call = {"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+    for item in items:
+        if isinstance(item, schemas.FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        elif isinstance(item, schemas.FunctionCallItem):
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
+            call = {"id": item.call_id, "name": item.name, "arguments": item.arguments}
             out[-1].setdefault("tool_calls", []).append(call)
         else:
-            content = item.get("content")
-            if isinstance(content, list):
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                        kind = part.get("type") if isinstance(part, dict) else part
-                        raise _bad(f"content part {kind} is not supported by kvmux: text parts only", "input")
-            out.append(_message({"role": item.get("role"), "content": content}))
+            text = item.content if isinstance(item.content, str) else "".join(part.text for part in item.content)
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
     if out[-1]["role"] == "assistant":
-        raise _bad("the input must not end with the assistant's message: there is nothing to reply to", "input")
+        raise bad("the input must not end with the assistant's message: there is nothing to reply to", "input")
     return out
-
-
-def _format(text: object) -> p.Format | None:
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if text is None or fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return p.Format(type="json_object")
-    if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
-        return p.Format(type="json_schema", schema=fmt["schema"])
-    raise _bad("text.format must be {type: text}, {type: json_object} or {type: json_schema, schema}", "text")
-
-
-def _function_tools(body: dict) -> dict:
-    """Responses' flat function tools and tool_choice, as chat completions'."""
-    tools = []
-    for tool in body.get("tools") or []:
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise _bad(f"tool type {kind} is not supported by kvmux: function tools only", "tools")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        tools.append({"type": "function", "function": function})
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        choice = {"type": choice.get("type"), "function": {"name": choice.get("name")}}
-    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls")}
 
 
 @dataclass
 class ResponseRequest:
-    chat: ChatRequest  # the messages to send, the sampling options, the tools
+    chat: Chat  # the messages to send, the sampling options, the tools
     input: list[dict]  # the request's own input, as messages
     instructions: str | None
     previous: str | None
@@ -165,53 +86,39 @@ class ResponseRequest:
     echo: dict  # the request's settings as the response object repeats them
 
 
-def _parse(body: object) -> ResponseRequest:
-    if not isinstance(body, dict):
-        raise _bad("the body must be a JSON object")
-    for name, value in body.items():
-        if name not in FIELDS and (name not in NEUTRAL or value not in (*NEUTRAL[name], None)):
-            raise _bad(f"{name} is not supported by kvmux", name)
-    options = _numbers(
-        {**body, "max_tokens": body.get("max_output_tokens")}, {"max_tokens": int, "temperature": float, "top_p": float}
-    )
-    tools, tool_options = _tools(_function_tools(body))
-    options.update(tool_options, **speculative(body))
-    fmt = _format(body.get("text"))
-    if fmt is not None:
-        options["format"] = fmt
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise _bad("instructions must be a string", "instructions")
-    previous = body.get("previous_response_id")
-    if previous is not None and not isinstance(previous, str):
-        raise _bad("previous_response_id must be a response id", "previous_response_id")
-    metadata = body.get("metadata") or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _bad("metadata must be an object of strings", "metadata")
-    store = body.get("store", True)
-    if not isinstance(store, bool):
-        raise _bad("store must be true or false", "store")
-    given = _input(body.get("input"))
-    chat = ChatRequest(
+def _request(body: schemas.Responses) -> ResponseRequest:
+    given = _input(body.items())
+    fmt = body.text.format if body.text is not None else None
+    choice = body.tool_choice
+    chat = Chat(
         messages=list(given),
-        stream=bool(body.get("stream", False)),
-        options=options,
-        include_usage=True,
-        model=str(body.get("model") or "kvmux"),
-        tools=tools,
+        options=options(
+            max_tokens=body.max_output_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            speculative=body.speculative,
+            tool_choice=p.NamedTool(name=choice.name) if isinstance(choice, schemas.ResponsesNamed) else choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            format=fmt.format() if fmt is not None else None,
+        ),
+        model=body.model,
+        stream=body.stream,
+        tools=[t.tool() for t in body.tools or []],
     )
     echo = {
-        "instructions": instructions,
-        "max_output_tokens": body.get("max_output_tokens"),
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "text": {"format": body["text"]["format"] if fmt is not None else {"type": "text"}},
-        "tools": body.get("tools") or [],
-        "tool_choice": body.get("tool_choice") or "auto",
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
+        "tools": msgspec.to_builtins(body.tools or []),
+        "tool_choice": msgspec.to_builtins(choice) if choice is not None else "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
         "truncation": "disabled",
     }
-    return ResponseRequest(chat, given, instructions, previous, store, metadata, echo)
+    return ResponseRequest(
+        chat, given, body.instructions, body.previous_response_id, body.store, body.metadata or {}, echo
+    )
 
 
 def _context(req: ResponseRequest, owner: str) -> str:
@@ -224,32 +131,37 @@ def _context(req: ResponseRequest, owner: str) -> str:
 # ------------------------------------------------------------------ stored
 
 
+def _name(owner: str, response_id: str) -> str:
+    """A stored response's name in its session: its id, and its caller's."""
+    return hashlib.sha256(f"{owner}\n{response_id}".encode()).hexdigest()
+
+
 @dataclass
 class Stored:
     session: object  # a detached handle on its session
+    name: str  # its name there
     at: int  # the session's messages at the response
     note: dict  # the response object, its input, its reply, the id it continued, its context
     info: p.SessionInfo
 
 
 async def _stored(gateway: Gateway, request: Request, response_id: str) -> Stored:
-    """A stored response; 404 for an unknown one, another key's, or one
-    whose session is gone."""
-    session_id = _session_of(response_id)
-    if gateway.api_keys:
-        try:
-            await _own(gateway, request, session_id)
-        except HTTPError:
-            raise _not_found(response_id) from None
+    """A stored response of the caller's, found by its name (the broker's
+    index: Find); 404 for an unknown one, another key's, or one whose
+    session is gone."""
+    name = _name(auth.owner(gateway, request), response_id)
+    found = await gateway.client.find([name])
+    if found is None:
+        raise _not_found(response_id)
     try:
-        session = await gateway.client.resume_session(session_id)
+        session = await gateway.client.resume_session(found.session_id)
         session.detach()  # a handle only: the session outlives the gateway
-        info = await session.info(marks=[response_id])
+        info = await session.info(marks=[name])
     except (errors.SessionNotFound, errors.SessionExpired):
         raise _not_found(response_id) from None
-    if response_id not in info.marks:
+    if name not in info.marks:
         raise _not_found(response_id)
-    return Stored(session, info.marks[response_id], json.loads(info.notes[response_id]), info)
+    return Stored(session, name, info.marks[name], json.loads(info.notes[name]), info)
 
 
 async def _conversation(gateway: Gateway, request: Request, response_id: str | None) -> list[dict]:
@@ -273,7 +185,7 @@ class Placed:
 async def _place(gateway: Gateway, request: Request, req: ResponseRequest, context: str) -> Placed:
     """The session the response goes into; `req.chat.messages` become what
     it still needs: the input, after the chain's conversation in a new one."""
-    owner = _owner(gateway, request)
+    owner = auth.owner(gateway, request)
     if req.previous is not None:
         stored = await _stored(gateway, request, req.previous)
         info = stored.info
@@ -295,21 +207,62 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
     return Placed(session, 0, opened=True)
 
 
-async def _keep(placed: Placed, req: ResponseRequest, context: str, response: dict, result: p.GenerateResult) -> None:
-    """Store the response as its session's newest point, with its note; a
-    session opened for a response not stored is closed: nothing can continue it."""
-    if not req.store:
-        if placed.opened:
-            await placed.session.close()
-        return
-    reply = {"role": "assistant", "content": _text(response)}
-    if result.tool_calls:
-        reply["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls]
-    note = {"response": response, "input": req.input, "reply": reply, "previous": req.previous, "context": context}
-    try:
-        await placed.session.mark({response["id"]: 0}, notes={response["id"]: json.dumps(note)}, from_end=True)
-    except errors.KvmuxError as exc:  # the reply stands; only its id cannot be continued or fetched
-        log.warning("response_not_stored", response=response["id"], error=str(exc))
+@dataclass
+class Turn:
+    """The response being made: its request, its session, its id and name."""
+
+    req: ResponseRequest
+    placed: Placed
+    context: str
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    name: str = ""  # _name(owner, id)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, reply: Reply | None = None, output=()) -> dict:
+        """The response object; in progress until its reply has ended."""
+        req, status, incomplete = self.req, "in_progress", None
+        if reply is not None:
+            cut = str(reply.result.stop_reason) == "max_tokens"
+            status, incomplete = ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None)
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": req.chat.model,
+            "output": list(output),
+            "previous_response_id": req.previous,
+            "store": req.store,
+            "metadata": req.metadata,
+            "usage": _usage(reply.usage) if reply is not None else None,
+            **req.echo,
+        }
+
+    async def keep(self, response: dict, result: p.GenerateResult) -> None:
+        """Store the response as its session's newest point, with its note;
+        a session opened for a response not stored is closed: nothing can
+        continue it."""
+        req, session = self.req, self.placed.session
+        if not req.store:
+            if self.placed.opened:
+                await session.close()
+            return
+        reply = {"role": "assistant", "content": _text(response)}
+        if result.tool_calls:
+            reply["tool_calls"] = calls(result)
+        note = {
+            "response": response,
+            "input": req.input,
+            "reply": reply,
+            "previous": req.previous,
+            "context": self.context,
+        }
+        try:
+            await session.mark({self.name: 0}, notes={self.name: json.dumps(note)}, from_end=True)
+        except errors.KvmuxError as exc:  # the reply stands; only its id cannot be continued or fetched
+            log.warning("response_not_stored", response=self.id, error=str(exc))
 
 
 # ------------------------------------------------------------------ response
@@ -321,7 +274,17 @@ def _message_item(text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+def _call_status(arguments: str) -> str:
+    """A call's, once it ends: incomplete when max_output_tokens cut its arguments."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "incomplete"
+    return "completed"
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str | None = None) -> dict:
+    status = status or _call_status(arguments)
     item_id = f"fc_{uuid.uuid4().hex}"
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments, "status": status}  # fmt: skip
 
@@ -330,84 +293,62 @@ def _text(response: dict) -> str:
     return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
 
 
-def _usage(held: int, result: p.GenerateResult) -> dict:
-    prompt = held + result.prompt_tokens
+def _usage(counts: Usage) -> dict:
     return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": held},
-        "output_tokens": result.completion_tokens,
+        "input_tokens": counts.prompt,
+        "input_tokens_details": {"cached_tokens": counts.held},
+        "output_tokens": counts.completion,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + result.completion_tokens,
+        "total_tokens": counts.prompt + counts.completion,
     }
-
-
-def _response(response_id: str, created: int, req: ResponseRequest, **fields) -> dict:
-    """The response object; without a result (`fields`: output, result,
-    held) it is in progress."""
-    result: p.GenerateResult | None = fields.get("result")
-    status, incomplete = "in_progress", None
-    if result is not None:
-        cut = str(result.stop_reason) == "max_tokens"
-        status, incomplete = ("incomplete", {"reason": "max_output_tokens"}) if cut else ("completed", None)
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created,
-        "status": status,
-        "error": None,
-        "incomplete_details": incomplete,
-        "model": req.chat.model,
-        "output": fields.get("output", []),
-        "previous_response_id": req.previous,
-        "store": req.store,
-        "metadata": req.metadata,
-        "usage": _usage(fields["held"], result) if result is not None else None,
-        **req.echo,
-    }
-
-
-def _output(text: str, result: p.GenerateResult) -> list[dict]:
-    items = [_message_item(text)] if text else []
-    return items + [_call_item(c.id, c.name, c.arguments) for c in result.tool_calls]
 
 
 # ------------------------------------------------------------------ routes
 
 
-@answered
+class _Events:
+    """Responses' server-sent events: each typed and numbered in its stream."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count()
+
+    def __call__(self, kind: str, **data) -> str:
+        return sse.event({"type": kind, "sequence_number": next(self.numbers), **data}, kind)
+
+    def error(self, exc: HTTPError) -> str:
+        return self("error", **RESPONSES.event(exc))
+
+
+@answered(RESPONSES)
 async def create(gateway: Gateway, request: Request) -> Response:
-    body = await json_body(request)
-    req = _parse(body)
-    context = _context(req, _owner(gateway, request))
-    placed = await _place(gateway, request, req, context)
-    stream = placed.session.generate(messages=_protocol_messages(req.chat.messages), **req.chat.options)
-    response_id = f"resp_{placed.session.id}{uuid.uuid4().hex[:16]}"
-    created = int(time.time())
-    headers = {SESSION_HEADER: placed.session.id}
+    req = _request(await schemas.read(request, schemas.Responses))
+    owner = auth.owner(gateway, request)
+    context = _context(req, owner)
+    turn = Turn(req, await _place(gateway, request, req, context), context)
+    turn.name = _name(owner, turn.id)
+    reply = await Reply.start(turn.placed.session, turn.placed.held, req.chat.messages, req.chat.options)
+    headers = {SESSION_HEADER: turn.placed.session.id}
     if req.chat.stream:
-        first = await _first(stream)  # errors before the first token are still HTTP errors
-        events = _events(placed, req, context, stream, first, response_id, created)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    parts = [chunk.text async for chunk in stream]
-    result = stream.result
-    output = _output(_content("".join(parts), result), result)
-    response = _response(response_id, created, req, output=output, result=result, held=placed.held)
-    await _keep(placed, req, context, response, result)
+        event = _Events()
+        return sse.response(_events(event, turn, reply), reply.stream, event.error, headers)
+    parts = [chunk.text async for chunk in reply.chunks()]
+    result = reply.result
+    text = content("".join(parts), result)
+    output = ([_message_item(text)] if text else []) + [
+        _call_item(c.id, c.name, c.arguments) for c in result.tool_calls
+    ]
+    response = turn.response(reply, output)
+    await turn.keep(response, result)
     return JSONResponse(response, headers=headers)
 
 
-async def _events(placed: Placed, req, context, stream, first, response_id: str, created: int) -> AsyncIterator[str]:
-    """Responses' typed server-sent events: an output item per run of text
-    (its content part and text deltas) or per function call (its arguments'
-    deltas), each closed before the next opens. A client that goes away
-    cancels the generation (closing the stream tells the worker)."""
-    numbers = itertools.count()
+async def _events(event: _Events, turn: Turn, reply: Reply) -> AsyncIterator[str]:
+    """An output item per run of text (its content part and text deltas) or
+    per function call (its arguments' deltas), each closed before the next
+    opens."""
     items: list[dict] = []
     open_item: dict | None = None
     held_back = ""  # whitespace before any text: a reply that is only calls has no message
-
-    def sse(kind: str, **data) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(numbers), **data})}\n\n"
 
     def place(item: dict) -> dict:
         return {"item_id": item["id"], "output_index": items.index(item)}
@@ -417,22 +358,23 @@ async def _events(placed: Placed, req, context, stream, first, response_id: str,
         item, open_item = open_item, None
         if item is None:
             return
-        item["status"] = "completed"
         if item["type"] == "message":
+            item["status"] = "completed"
             part = {"type": "output_text", "text": item.pop("text"), "annotations": []}
             item["content"] = [part]
-            yield sse("response.output_text.done", **place(item), content_index=0, text=part["text"], logprobs=[])
-            yield sse("response.content_part.done", **place(item), content_index=0, part=part)
+            yield event("response.output_text.done", **place(item), content_index=0, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **place(item), content_index=0, part=part)
         else:
-            yield sse("response.function_call_arguments.done", **place(item), arguments=item["arguments"])
-        yield sse("response.output_item.done", output_index=items.index(item), item=item)
+            item["status"] = _call_status(item["arguments"])
+            yield event("response.function_call_arguments.done", **place(item), arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=items.index(item), item=item)
 
     def start(item: dict) -> Iterator[str]:
         nonlocal open_item
         yield from close()
         items.append(item)
         open_item = item
-        yield sse("response.output_item.added", output_index=len(items) - 1, item=dict(item))
+        yield event("response.output_item.added", output_index=len(items) - 1, item=dict(item))
 
     def deltas(chunk: p.Chunk) -> Iterator[str]:
         nonlocal held_back
@@ -442,9 +384,9 @@ async def _events(placed: Placed, req, context, stream, first, response_id: str,
             if open_item is None or open_item["type"] != "message":
                 yield from start({**_message_item("", "in_progress"), "text": ""})
                 part = {"type": "output_text", "text": "", "annotations": []}
-                yield sse("response.content_part.added", **place(open_item), content_index=0, part=part)
+                yield event("response.content_part.added", **place(open_item), content_index=0, part=part)
             open_item["text"] += text
-            yield sse("response.output_text.delta", **place(open_item), content_index=0, delta=text, logprobs=[])
+            yield event("response.output_text.delta", **place(open_item), content_index=0, delta=text, logprobs=[])
         else:
             held_back = text
         for call in chunk.tool_calls:
@@ -452,29 +394,22 @@ async def _events(placed: Placed, req, context, stream, first, response_id: str,
                 yield from start(_call_item(call.id, call.name, "", "in_progress"))
             if call.arguments:
                 open_item["arguments"] += call.arguments
-                yield sse("response.function_call_arguments.delta", **place(open_item), delta=call.arguments)
+                yield event("response.function_call_arguments.delta", **place(open_item), delta=call.arguments)
 
-    try:
-        started = _response(response_id, created, req)
-        yield sse("response.created", response=started)
-        yield sse("response.in_progress", response=started)
-        async for chunk in chunks(first, stream):
-            for out in deltas(chunk):
-                yield out
-        for out in close():
+    started = turn.response()
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    async for chunk in reply.chunks():
+        for out in deltas(chunk):
             yield out
-        result = stream.result
-        response = _response(response_id, created, req, output=items, result=result, held=placed.held)
-        await _keep(placed, req, context, response, result)
-        yield sse(f"response.{response['status']}", response=response)
-    except errors.KvmuxError as exc:
-        err = _from_kvmux(exc)
-        yield sse("error", code=err.code, message=err.message, param=None)
-    finally:
-        await stream.aclose()
+    for out in close():
+        yield out
+    response = turn.response(reply, items)
+    await turn.keep(response, reply.result)
+    yield event(f"response.{response['status']}", response=response)
 
 
-@answered
+@answered(RESPONSES)
 async def retrieve(gateway: Gateway, request: Request) -> Response:
     """GET a stored response; DELETE forgets it (and its session, once no
     response of it is left)."""
@@ -482,12 +417,12 @@ async def retrieve(gateway: Gateway, request: Request) -> Response:
     stored = await _stored(gateway, request, response_id)
     if request.method == "GET":
         return JSONResponse(stored.note["response"])
-    if (await stored.session.mark({}, drop=[response_id])).marks == 0:
+    if (await stored.session.mark({}, drop=[stored.name])).marks == 0:
         await stored.session.close()
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-@answered
+@answered(RESPONSES)
 async def input_items(gateway: Gateway, request: Request) -> Response:
     """The input items of a stored response, as the request gave them."""
     note = (await _stored(gateway, request, request.path_params["response_id"])).note

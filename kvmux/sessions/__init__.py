@@ -1,9 +1,11 @@
 """Durable sessions: the record (record.py), a live session to its record
 and back (durable.py), slab snapshots (snapshot.py), and the store that
 holds them (store.py: the interface; local.py: a directory, the first
-backend, written atomically by files.py). Shared by broker and worker; MLX
+backend, written atomically by files.py; redis_store.py: Redis;
+backends.py: the one a setting names). Shared by broker and worker; MLX
 is imported only where a worker writes or reads a snapshot."""
 
+from .backends import open_store
 from .local import LocalStore, store_id
 from .record import (
     Fenced,
@@ -16,7 +18,7 @@ from .record import (
     is_session_id,
     state_fields,
 )
-from .store import SessionStore, open_store
+from .store import SessionStore
 
 __all__ = [
     "Fenced",

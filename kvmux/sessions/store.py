@@ -17,7 +17,7 @@ new worker wrote. One broker serves a store at a time: it holds the store's
 
 Backends: `LocalStore` (local.py), a directory under the state dir, one
 host; `RedisStore` (redis_store.py), any number of hosts. `open_store`
-picks one from the `store` setting.
+(backends.py, which knows them all) picks one from the `store` setting.
 """
 
 from __future__ import annotations
@@ -116,17 +116,3 @@ class SessionStore(abc.ABC):
     def release(self, holder: str) -> None:
         """Give the lease back, if `holder` has it: the next broker need not
         wait for it to lapse."""
-
-
-def open_store(store: str, state_dir: str) -> SessionStore:
-    """The store a `store` setting names: a redis://, rediss:// or unix://
-    URL, or "" for the directory under `state_dir`."""
-    if store.startswith(("redis://", "rediss://", "unix://")):
-        from .redis_store import RedisStore  # redis-py: only where it is asked for
-
-        return RedisStore(store)
-    if store:
-        raise ValueError(f"store: {store!r} is not a redis://, rediss:// or unix:// URL (or empty: the state dir)")
-    from .local import LocalStore
-
-    return LocalStore(state_dir)

@@ -1,0 +1,154 @@
+"""One generation's tokens, for the engine's decode loop (Engine.decode):
+its settings (`GenerationParams`), how each token is chosen (`Choice`:
+greedy or seeded sampling, the grammar's masks, a verify pass's acceptance
+of drafts) and how it goes out (`Emission`: its text once it is safe to
+send, the stop it makes, its logprobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_sampler
+
+from kvmux.protocol import Format, Logprobs, NamedTool, SpeculativeMode, StopReason, TokenLogprob, ToolChoice
+
+from .constraint import Constraint, masked
+from .speculative import Proposal, accept_greedy, accept_sampled, distributions
+from .stops import StopMatcher
+
+
+@dataclass
+class GenerationParams:
+    """A generation's settings: the request's over the session's defaults (Engine.params)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: list[str]
+    speculative: SpeculativeMode
+    format: Format | None = None
+    tool_choice: str | NamedTool = ToolChoice.AUTO
+    parallel_tool_calls: bool = True
+    logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
+    constraint: Constraint | None = None  # the grammar this generation follows (Engine.constrain)
+
+
+class Choice:
+    """Choosing a generation's tokens from the model's logits: greedy, or
+    sampled with a seed per step (sessions interleave on MLX's one global
+    PRNG, and a seed must give the same tokens however they interleave),
+    within the grammar's masks where it has one."""
+
+    def __init__(self, params: GenerationParams):
+        self.params = params
+        self.grammar = params.constraint
+        self.sampling = (params.temperature, params.top_p, params.top_k) if params.temperature else None
+        top_p = params.top_p if params.top_p < 1 else 0.0
+        self._sampler = make_sampler(params.temperature, top_p=top_p, top_k=params.top_k)
+
+    def sample(self, logits: mx.array, step: int) -> mx.array:
+        if not self.sampling:
+            return mx.argmax(logits, axis=-1)  # on the logits as they are: the verify pass's choice too
+        mx.random.seed((self.params.seed * 1_000_003 + step) & 0xFFFFFFFF)
+        return self._sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def first(self, row: mx.array) -> mx.array:
+        """The first token, from the logits after the prompt."""
+        return self.sample(masked(row, self.grammar.allowed([])[1]) if self.grammar else row, 0)
+
+    def rng(self, emitted: int) -> np.random.Generator | None:
+        """The step's generator for drafting and accepting sampled drafts."""
+        return np.random.default_rng([self.params.seed & 0xFFFFFFFF, emitted]) if self.sampling else None
+
+    def drafts(self, y: mx.array, proposal: Proposal | None) -> tuple[Proposal | None, mx.array | None]:
+        """`y` stands (the grammar takes it): the drafts to verify after it,
+        those the grammar allows, and the pass's masks (None: no grammar)."""
+        if not self.grammar:
+            return proposal, None
+        self.grammar.advance([y.item()])
+        drafts, masks = self.grammar.allowed(proposal.tokens if proposal else [])
+        return (proposal.cut(len(drafts)) if proposal else None), masks
+
+    def next(
+        self, logits: mx.array, masks: mx.array | None, proposal: Proposal | None, rng, emitted: int
+    ) -> tuple[int, mx.array, int | None]:
+        """After a pass: how many drafts stood, the token that follows them,
+        and its value where it is known already (a verify pass chose it);
+        without drafts it is sampled asynchronously, while the step's token
+        is sent (as mlx-lm's generate_step does)."""
+        choosing = masked(logits, masks) if self.grammar else logits
+        if proposal is None:
+            following = self.sample(choosing, emitted + 1)
+            mx.async_eval(following)
+            return 0, following, None
+        if self.sampling:
+            kept, token = accept_sampled(distributions(choosing, *self.sampling), proposal, rng)
+        else:
+            choices = mx.argmax(choosing, axis=-1).tolist()
+            kept = accept_greedy(choices, proposal.tokens)
+            token = choices[kept]
+        if self.grammar:
+            self.grammar.advance(proposal.tokens[:kept])
+        return kept, mx.array([token]), token
+
+
+class Emission:
+    """Sending a generation's tokens: the text each makes safe to send (a
+    stop string may still be matching), the reason it ends the reply, and
+    its logprobs where asked for."""
+
+    def __init__(self, tokenizer, params: GenerationParams, eos: set[int]):
+        self.detok = tokenizer.detokenizer
+        self.decode = tokenizer.decode
+        self.stops = StopMatcher(params.stop)
+        self.max_tokens, self.logprobs = params.max_tokens, params.logprobs
+        self.eos = eos
+
+    def token(
+        self, token: int, emitted: int, cancelled: bool, row: mx.array
+    ) -> tuple[str, StopReason | None, Logprobs | None]:
+        """The `emitted`th token, drawn from the logits `row`: its text, the
+        reason the reply ends with it (None: it goes on), its logprobs."""
+        is_eos = token in self.eos
+        if not is_eos:
+            self.detok.add_token(token)
+        reason = None
+        if is_eos:
+            reason = StopReason.EOS
+        elif emitted == self.max_tokens:
+            reason = StopReason.MAX_TOKENS
+        elif cancelled:
+            reason = StopReason.CANCELLED
+        if reason:
+            self.detok.finalize()
+        text, hit = self.stops.push(self.detok.last_segment)
+        if hit:
+            reason = StopReason.STOP
+        elif reason:
+            text += self.stops.flush()  # nothing more can complete a stop string
+        chances = self._logprobs(row, token, self.logprobs) if self.logprobs is not None else None
+        return text, reason, chances
+
+    @property
+    def text(self) -> str:
+        """The whole reply's text."""
+        return self.detok.text
+
+    def _logprobs(self, row: mx.array, token: int, top: int) -> Logprobs:
+        """`token`'s log-probability under the model's distribution `row`
+        (its logits, before temperature, top-p or a grammar), and the `top`
+        most likely tokens there."""
+        logprobs = (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
+        best = []
+        if top:
+            ids = mx.argpartition(-logprobs, top - 1)[:top]
+            values = logprobs[ids].tolist()
+            best = sorted(
+                (TokenLogprob(t, v, self.decode([t])) for t, v in zip(ids.tolist(), values, strict=True)),
+                key=lambda e: -e.logprob,
+            )
+        return Logprobs(token=token, logprob=logprobs[token].item(), text=self.decode([token]), top=best)
