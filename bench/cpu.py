@@ -153,20 +153,6 @@ def llama_cpp_child() -> None:
     )
 
 
-def _decode(client: Client, prompt_ids: list[int], tokens: int) -> dict:
-    """One session's greedy decode through a daemon, timed on the client
-    from the first chunk to the last (as bench perf times the stack)."""
-    with client.open_session() as session:
-        session.append(token_ids=prompt_ids)
-        stamps, count = [], 0
-        stream = session.generate(max_tokens=tokens, temperature=0.0, speculative="off")
-        for chunk in stream:
-            stamps.append(time.perf_counter())
-            count += len(chunk.token_ids)
-        ids = session.info(token_ids=True).token_ids[len(prompt_ids) :]
-    return {"decode_tokens_per_s": (count - 1) / (stamps[-1] - stamps[0]), "token_ids": ids}
-
-
 def _prefill(client: Client, message_ids: list[int]) -> float:
     """Tokens/s of one message's prefill on a fresh session (the worker's own timing)."""
     with client.open_session() as session:
@@ -174,8 +160,9 @@ def _prefill(client: Client, message_ids: list[int]) -> float:
     return appended.new_tokens / appended.prefill_s
 
 
-def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: int, tokens: int = 64) -> dict:
-    """The part's report (see the module's docstring)."""
+def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: int, tokens: int, decode) -> dict:
+    """The part's report (see the module's docstring); `decode(client)` is
+    bench perf's one-session stream (`stack_decode`) of `tokens` tokens."""
     threads = len(os.sched_getaffinity(0))
     doc: dict = {"threads": threads, "decode_tokens": tokens, "bandwidth": bandwidth(threads)}
     doc["kernel"] = kernel_rate(loaded)
@@ -197,8 +184,8 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         for _ in range(repeats):
             if llama:
                 last["llama_cpp"] = llama_cpp_decode(model_path, story_ids, tokens, threads)
-            last["kvmux"] = _decode(kernel, story_ids, tokens)
-            last["float32"] = _decode(off, story_ids, tokens)
+            last["kvmux"] = decode(kernel)
+            last["float32"] = decode(off)
             if llama:
                 vs_llama.append((last["llama_cpp"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
             vs_off.append((last["float32"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))

@@ -276,7 +276,15 @@ def run(cfg: PerfConfig, output: Path) -> dict:
     story_ids = list(tok.apply_chat_template([{"role": "user", "content": STORY}], add_generation_prompt=True))
     long_ids = tok.encode(PASSAGE * (cfg.prefill_tokens // 20 + 1), add_special_tokens=False)[: cfg.prefill_tokens]
     model_path = str(cfg.model or _default_model())
-    doc["cpu"] = cpu.run(loaded, model_path, story_ids, PASSAGE, cfg.repeats)
+    doc["cpu"] = cpu.run(
+        loaded,
+        model_path,
+        story_ids,
+        PASSAGE,
+        cfg.repeats,
+        cfg.decode_tokens,
+        lambda c: stack_decode(c, story_ids, cfg),
+    )
     writer.write()
     if cfg.only == "cpu":
         doc["ratios"] = ratios(doc)

@@ -38,8 +38,8 @@ mx::array rope(
 // the slab's (1, kv heads, slots, D), read at slots [0, length) (the new
 // rows' keys already written there); mask an additive (rows, >= length)
 // mask or none. Returns (1, rows, heads * D): per row and head the scores,
-// a precise softmax (max subtracted) and the weighted sum of values, each
-// pair alone in a fixed order, so a row's output is the same in any pass.
+// a precise softmax (max subtracted) and the weighted sum of values, in a
+// fixed order per query, so a row's output is the same in any pass.
 mx::array attend(
     const mx::array& q,
     const mx::array& keys,
