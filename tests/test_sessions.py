@@ -172,10 +172,14 @@ def test_seeded_sampling_repeats_however_sessions_interleave(client):
 def test_three_concurrent_sessions_progress_together(client):
     arrivals: dict[int, list[float]] = {}
     results = {}
+    # All three sessions are open before any asks, so the three requests
+    # reach the worker together and not a session-open apart.
+    ready = threading.Barrier(3)
 
     def chat(i):
         with client.open_session() as session:
-            stream = session.chat(f"Count from {i} upwards.", max_tokens=10)
+            ready.wait(timeout=60)
+            stream = session.chat(f"Count from {i} upwards.", max_tokens=24)
             arrivals[i] = []
             for _chunk in stream:
                 arrivals[i].append(time.monotonic())
