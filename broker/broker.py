@@ -36,6 +36,7 @@ from kvmux.protocol import (
     PROTOCOL_VERSION,
     REPLY_OPS,
     Ack,
+    Appended,
     BrokerStats,
     Cancel,
     Disconnect,
@@ -43,6 +44,7 @@ from kvmux.protocol import (
     Envelope,
     ErrorCode,
     Found,
+    GenerateResult,
     Op,
     OverloadReason,
     Pong,
@@ -64,6 +66,7 @@ from .client_frame import ClientFrame
 from .config import BrokerConfig
 from .heap import HeapTrimmer
 from .lifecycle import Lifecycle
+from .metrics import Metrics
 from .outbox import ADMIN, Outbox, Sent
 from .registry import Registry, Request, SessionEntry, State, WorkerEntry
 
@@ -126,12 +129,14 @@ class Broker:
         self.started = time.monotonic()
         self.frames_forwarded = 0
         self.drain: _Drain | None = None
+        self.store_error = ""  # the store's last failure (its lease not renewed), for stats and /ready
         self._drain_request: float | None = None  # set from a signal handler
         self._own_ids = itertools.count(1)
         self._next_heartbeat = self._next_sweep = 0.0
         self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
         self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
-        self.lifecycle = Lifecycle(cfg, self.registry, self.admission, self.store, self)
+        self.metrics = Metrics()  # counted always; served with --metrics-port
+        self.lifecycle = Lifecycle(cfg, self.registry, self.admission, self.store, self, self.metrics)
         self.lifecycle.load(time.monotonic())
 
     def _router(self, hwm: int, max_msg: int = -1) -> zmq.Socket:
@@ -250,11 +255,14 @@ class Broker:
                 return True
         for session in self.admission.idle(self.registry, now) if sweep else ():
             self.admission.expired += 1
+            self.metrics.expired.labels("idle").inc()
             log.info("session_expired", session=session.session_id, idle_s=round(now - session.last_active, 1))
             self.lifecycle.end(session, ErrorCode.SESSION_EXPIRED)
         while (admitted := self.admission.next_admitted(self.registry, now)) is not None:
+            self.metrics.queue_wait.observe(now - admitted[0].enqueued)
             self._admit(*admitted)
         self.lifecycle.hibernate(now, sweep, self.drain is not None)
+        self.metrics.publish(lambda: self.stats(now))
         self.outbox.flush()
         if self.auth is not None and not self.auth.alive():
             log.error("zap_handler_died")  # libzmq refuses every CURVE peer now: let the service manager restart us
@@ -282,7 +290,9 @@ class Broker:
             holder = self.store.lease(self.lease_holder, LEASE_S)
         except StoreUnavailable as exc:
             log.warning("store_unavailable", why=str(exc))
+            self.store_error = str(exc)
             return True
+        self.store_error = ""
         if holder != self.lease_holder:
             log.error("store_lease_lost", store=self.store.store_id, holder=holder)
             return False
@@ -370,7 +380,8 @@ class Broker:
         if session.worker is None:
             self.registry.place_session(session, worker)
         env = decode_envelope(pending.env_raw)
-        self.registry.track(pending.route, pending.request_id, env.op, session.worker, session.session_id)
+        req = self.registry.track(pending.route, pending.request_id, env.op, session.worker, session.session_id)
+        req.started = pending.enqueued
         self.to_worker(session.worker, pending.route, pending.env_raw, pending.body)
 
     def forward(self, frame: ClientFrame) -> None:
@@ -391,7 +402,8 @@ class Broker:
             return self.lifecycle.dormant(frame, session)
         if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
             self.check_unique(frame.route, env.request_id)
-            self.registry.track(frame.route, env.request_id, env.op, session.worker, session.session_id)
+            req = self.registry.track(frame.route, env.request_id, env.op, session.worker, session.session_id)
+            req.started = frame.now
         self.to_worker(session.worker, frame.route, frame.env_raw, frame.body)
 
     def _cancel(self, frame: ClientFrame) -> None:
@@ -547,6 +559,7 @@ class Broker:
             beat = decode_body(Op.HEARTBEAT, body)
             worker.running, worker.draining = beat.running, beat.draining
             worker.drafted, worker.accepted, worker.link_bytes = beat.drafted, beat.accepted, beat.link_bytes
+            worker.kv_bytes = beat.kv_bytes
         elif env.op == Op.DISCONNECT:
             self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
         elif env.op == Op.RESTORED:
@@ -595,6 +608,8 @@ class Broker:
         final = env.op != Op.PARTIAL
         if final:
             self.registry.finish(req)
+        if req.route:
+            self._measure(req, env.op, body, now)
         session = self.registry.sessions.get(req.session_id)
         if session is not None:
             session.last_active = now
@@ -619,6 +634,28 @@ class Broker:
             self._to_client(route, [env_raw, body])
             worker.frames_forwarded += 1
             self.frames_forwarded += 1
+
+    def _measure(self, req: Request, op: str, body: bytes, now: float) -> None:
+        """A client request's reply, for the metrics: a generate's tokens and
+        their timing, every request's outcome."""
+        model = req.worker.ready.model
+        if op == Op.PARTIAL:
+            if req.op == Op.GENERATE:
+                if req.last_token:
+                    self.metrics.itl.labels(model).observe(now - req.last_token)
+                else:
+                    self.metrics.ttft.labels(model).observe(now - req.started)
+                req.last_token = now
+            return
+        reply = decode_reply(body)
+        self.metrics.requests.labels(req.op, "ok" if op == Op.FINAL else str(reply.code)).inc()
+        labels = (req.worker.worker_id, model)
+        if isinstance(reply, GenerateResult):
+            self.metrics.prefilled.labels(*labels).inc(reply.prompt_tokens)
+            self.metrics.generated.labels(*labels).inc(reply.completion_tokens)
+            self.metrics.cached.labels(*labels, "session").inc(reply.reused_tokens)
+        elif isinstance(reply, Appended):
+            self.metrics.prefilled.labels(*labels).inc(reply.new_tokens)
 
     def _opened(self, req: Request, ok: bool, env_raw: bytes, body: bytes, now: float) -> tuple[bytes, bytes]:
         if not ok:
@@ -650,6 +687,7 @@ class Broker:
         if not (shared or returning):
             self.lifecycle.strand(store, [s.session_id for s in self.registry.sessions.values() if s.store == store])
         lost = self.registry.remove_worker(worker, why, stored=shared or returning)
+        self.metrics.workers_lost.labels(worker.ready.model).inc()
         log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
         for req in lost:
             if req.route and not req.orphaned:
@@ -717,8 +755,9 @@ class Broker:
         self._to_client(route, [envelope(Op.FINAL, env.request_id, env.session_id), encode(body)])
 
     def error(self, route: bytes, request_id: int, session_id: str, code: ErrorCode, message: str, **extra) -> None:
-        if code is not ErrorCode.OVERLOADED:
+        if code is not ErrorCode.OVERLOADED:  # those are refusals, counted by reason
             log.info("error_reply", code=code.value, message=message, request_id=request_id)
+            self.metrics.errors.labels(code.value).inc()
         self._to_client(route, [envelope(Op.ERROR, request_id, session_id), error_body(code, message, **extra)])
 
     def _refuse(
@@ -818,6 +857,7 @@ class Broker:
                 drafted=w.drafted,
                 accepted=w.accepted,
                 link_bytes=w.link_bytes,
+                kv_bytes=w.kv_bytes,
                 compute=w.ready.compute,
             )
             for w in reg.workers.values()
@@ -849,6 +889,7 @@ class Broker:
             restore_p50_s=restore_p50,
             restore_p99_s=restore_p99,
             store_bytes=self.lifecycle.store_size(now),
+            store_error=self.store_error,
             endpoints=self.endpoints,
         )
 

@@ -79,6 +79,14 @@ def serve(
         typer.echo(f"kvmux serve: cannot bind: {exc}", err=True)
         broker.close()
         raise typer.Exit(1) from None
+    if cfg.metrics_port:
+        try:
+            broker.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            typer.echo(f"kvmux serve: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {exc}", err=True)
+            broker.close()
+            raise typer.Exit(1) from None
+        log.info("metrics", url=f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker.request_drain())
     try:

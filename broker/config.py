@@ -119,6 +119,13 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     client_backlog: Annotated[
         AtLeastOne, doc('Frames held for a client whose pipe is full (docs/operations.md, "Flow control").')
     ] = 256
+    # operations (docs/operations.md, "Metrics")
+    metrics_port: Annotated[
+        int, msgspec.Meta(ge=0, le=65535), doc("Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics; 0: off.")
+    ] = 0
+    metrics_host: Annotated[
+        str, doc("The address the metrics listen on (another than loopback: anyone who reaches it reads them).")
+    ] = "127.0.0.1"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -40,6 +40,7 @@ from kvmux.sessions import RecordHead, SessionRecord, SessionStore, StoreError, 
 from .admission import Admission, Pending, percentiles
 from .client_frame import ClientFrame
 from .config import BrokerConfig
+from .metrics import Metrics
 from .registry import Registry, Request, SessionEntry, State, WorkerEntry
 
 log = logs.get("broker")
@@ -63,9 +64,16 @@ class Sends(Protocol):
 
 class Lifecycle:
     def __init__(
-        self, cfg: BrokerConfig, registry: Registry, admission: Admission, store: SessionStore, sends: Sends
+        self,
+        cfg: BrokerConfig,
+        registry: Registry,
+        admission: Admission,
+        store: SessionStore,
+        sends: Sends,
+        metrics: Metrics,
     ) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.registry = registry
         self.admission = admission
         self.store = store
@@ -256,6 +264,7 @@ class Lifecycle:
         """A worker's RESTORED: counted for stats."""
         self.restores += 1
         self.restore_times.append(restored.seconds)
+        self.metrics.restore.labels(worker.ready.model).observe(restored.seconds)
         log.info(
             "session_restored",
             session=restored.session_id,
@@ -277,6 +286,7 @@ class Lifecycle:
             reply = decode_reply(body)
             self.registry.hibernated(session)
             self.hibernations += 1
+            self.metrics.hibernate.labels(req.worker.ready.model).observe(reply.seconds)
             log.info(
                 "session_hibernated", session=session.session_id, bytes=reply.bytes, seconds=round(reply.seconds, 4)
             )

@@ -32,6 +32,7 @@ class WorkerEntry:
     drafted: int = 0  # from its heartbeat: speculative tokens drafted and accepted
     accepted: int = 0
     link_bytes: int = 0  # from its heartbeat: a worker group's traffic between its ranks
+    kv_bytes: int = 0  # from its heartbeat: KV cache its live sessions hold
     frames_forwarded: int = 0
 
     @property
@@ -126,6 +127,8 @@ class Request:
     overrun: bool = False  # its client fell behind: the stream was cancelled
     dropped: int = 0  # chunks not sent after the overrun
     cancel_on_open: bool = False  # OPEN cancelled by the client while the worker opened it
+    started: float = 0.0  # when the client's frame came (metrics: time to first token)
+    last_token: float = 0.0  # when its stream's last chunk passed (0: none yet)
 
 
 class Registry:

@@ -295,6 +295,7 @@ class WorkerHeartbeat(_Body):
     drafted: int = 0  # speculative decoding since the worker started: tokens drafted
     accepted: int = 0  # and of them accepted by the verifier
     link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
+    kv_bytes: int = 0  # KV cache its live sessions hold now (their kv_live_bytes summed)
 
 
 class Disconnect(_Body):
@@ -353,6 +354,7 @@ class GenerateResult(Reply, tag="result"):
     history_tokens: int
     drafted_tokens: int = 0  # proposed to the verifier (speculative decoding)
     accepted_tokens: int = 0  # of them, the ones that stood
+    reused_tokens: int = 0  # history the session held before this call (in its slab, or restored): not prefilled
     content: str = ""  # the reply's text less its tool calls (set when tools are enabled)
     tool_calls: list[ToolCall] = []  # the calls the reply made (stop_reason tool_calls)
 
@@ -445,6 +447,7 @@ class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     drafted: int = 0  # speculative decoding since the worker started: tokens drafted
     accepted: int = 0  # of them, accepted by the verifier
     link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
+    kv_bytes: int = 0  # KV cache its live sessions hold now
     compute: Compute | None = None
 
 
@@ -486,6 +489,7 @@ class BrokerStats(Reply, tag="stats"):
     restore_p50_s: float = 0.0
     restore_p99_s: float = 0.0
     store_bytes: int = 0
+    store_error: str = ""  # why the session store failed its last check ("" while it answers)
     endpoints: list[Endpoint] = []
 
 

@@ -140,6 +140,7 @@ class Stack:
         curve: bool = False,
         env: dict[str, str] | None = None,
         shared: bool = False,
+        metrics: bool = False,
     ):
         if not shared:
             own_processes()
@@ -160,6 +161,11 @@ class Stack:
             broker_args = [*self._make_keys(), *broker_args]
             self.worker_args += ["--server-key", str(self.keys / "server.key")]
             self.worker_args += ["--curve-secret", str(self.keys / "workers" / "w1.key_secret")]
+        self.metrics = ""  # the broker's Prometheus metrics URL, with `metrics`
+        if metrics:
+            port = free_tcp_port()
+            self.metrics = f"http://127.0.0.1:{port}/metrics"
+            broker_args = ["--metrics-port", str(port), *broker_args]
         self.workers: list[subprocess.Popen] = []
         self.broker_cmd = kvmux_command(
             "serve",
@@ -378,8 +384,9 @@ def stack_factory():
 
 @pytest.fixture(scope="session")
 def shared_stack():
-    """One broker + one worker with 8 slabs for tests that kill nothing."""
-    stack = Stack(workers=1, slabs=8, shared=True)
+    """One broker + one worker with 8 slabs for tests that kill nothing;
+    its broker serves Prometheus metrics (`shared_stack.metrics`)."""
+    stack = Stack(workers=1, slabs=8, shared=True, metrics=True)
     yield stack
     stack.stop()
 

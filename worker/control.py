@@ -41,6 +41,7 @@ class Status(msgspec.Struct, array_like=True):
     drafted: int = 0  # speculative decoding, over the worker's life: tokens drafted
     accepted: int = 0  # and accepted
     link_bytes: int = 0  # a worker group's rank 0: bytes sent to and received from its other ranks
+    kv_bytes: int = 0  # KV cache the live sessions hold (their kv_live_bytes summed)
 
 
 def encode_status(status: Status) -> bytes:

@@ -204,7 +204,7 @@ class Requests:
         tools = chat and self.engine.calls_tools(session, params)
 
         def steps(job: Job):
-            queued = len(session.pending)
+            queued, reused = len(session.pending), len(session.history)
             started = time.perf_counter()
             cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
             prefill_s = time.perf_counter() - started
@@ -243,6 +243,7 @@ class Requests:
                     history_tokens=len(session.history) + len(session.pending),
                     drafted_tokens=decoding.drafted,
                     accepted_tokens=decoding.accepted,
+                    reused_tokens=reused,
                     content=content,
                     tool_calls=calls,
                 ),

@@ -31,6 +31,7 @@ from .slab import SlabPool
 log = logs.get("worker.scheduler")
 
 IDLE_POLL_MS = 100
+KV_BYTES_EVERY_S = 0.5  # summing every slab's arrays is not free: the heartbeat's figure at most this old
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Scheduler(Requests, Durability):
     reported: control.Status | None = None  # the last STATUS sent to the I/O thread
     chunk: int = PREFILL_CHUNK  # prefill tokens per step in this round
     pace: Pace = field(default_factory=lambda: Pace(most=PREFILL_CHUNK))
+    kv_bytes: tuple[int, float] = (0, 0.0)  # (the live sessions' KV bytes, when summed)
 
     def send(self, route: bytes, op: str, request_id: int, session_id: str, body) -> None:
         self.pipe.send_multipart([route, p.envelope(op, request_id, session_id), p.encode(body)])
@@ -60,6 +62,9 @@ class Scheduler(Requests, Durability):
         """Tell the I/O thread when slabs, jobs or sessions changed: it
         reads nothing of ours but what comes over the pipe."""
         engine = self.engine
+        now = time.monotonic()
+        if now - self.kv_bytes[1] >= KV_BYTES_EVERY_S:
+            self.kv_bytes = (sum(session.kv_live_bytes for session in self.sessions.values()), now)
         status = control.Status(
             self.pool.free,
             len(self.jobs),
@@ -68,6 +73,7 @@ class Scheduler(Requests, Durability):
             engine.drafted,
             engine.accepted,
             engine.loaded.stages.link.bytes if engine.loaded.stages else 0,
+            self.kv_bytes[0],
         )
         if status != self.reported:
             self.pipe.send_multipart([control.STATUS, control.encode_status(status)])

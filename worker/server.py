@@ -276,6 +276,7 @@ class Worker:
                 drafted=status.drafted,
                 accepted=status.accepted,
                 link_bytes=status.link_bytes,
+                kv_bytes=status.kv_bytes,
             ),
         )
         self.next_beat = time.monotonic() + self.config.heartbeat_s

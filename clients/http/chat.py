@@ -90,7 +90,7 @@ async def completions(gateway: Gateway, request: Request) -> Response:
     body = await schemas.read(request, schemas.ChatCompletion)
     chat = chat_of(body)
     session, bound, new = await find_session(gateway, request, chat)
-    reply = await Reply.start(session, bound.held, new, chat.options)
+    reply = await Reply.start(session, bound.held, new, chat.options, gateway.metrics.watch("chat_completions"))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": chat.model}
     headers = {SESSION_HEADER: session.id}
     include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -5,7 +5,8 @@ session named again after it (binding.py), and the tokens it reused."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -98,15 +99,19 @@ class Reply:
     held: int  # tokens the session held: reused
     stream: object  # the client's AsyncStream
     first: p.Chunk | None
+    first_s: float | None  # from the generate sent to its first chunk
+    ended: Callable[..., None]  # called with first_s and the usage's tokens at its end (the gateway's metrics)
 
     @classmethod
-    async def start(cls, session, held: int, messages: list[dict], options: dict) -> Reply:
+    async def start(cls, session, held: int, messages: list[dict], options: dict, ended: Callable[..., None]) -> Reply:
+        started = time.monotonic()
         stream = session.generate(messages=[msgspec.convert(m, p.ChatMessage) for m in messages], **options)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
             first = None
-        return cls(session, held, stream, first)
+        first_s = time.monotonic() - started if first is not None else None
+        return cls(session, held, stream, first, first_s, ended)
 
     async def chunks(self) -> AsyncIterator[p.Chunk]:
         """The stream's chunks, the first included."""
@@ -114,6 +119,8 @@ class Reply:
             yield self.first
             async for chunk in self.stream:
                 yield chunk
+        usage = self.usage
+        self.ended(self.first_s, usage.held, usage.prefilled, usage.completion)
 
     @property
     def result(self) -> p.GenerateResult:

@@ -135,6 +135,7 @@ def answered(dialect: Dialect):
             try:
                 return await handler(request.app.state.gateway, request)
             except (HTTPError, errors.KvmuxError) as exc:
+                request.app.state.gateway.metrics.refused(exc)
                 return dialect.answer(exc)
 
         return endpoint

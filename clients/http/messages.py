@@ -134,7 +134,7 @@ def _sent_back(result: p.GenerateResult) -> p.GenerateResult:
 async def messages(gateway: Gateway, request: Request) -> Response:
     chat = chat_of(await schemas.read(request, schemas.AnthropicMessages))
     session, bound, new = await find_session(gateway, request, chat)
-    reply = await Reply.start(session, bound.held, new, chat.options)
+    reply = await Reply.start(session, bound.held, new, chat.options, gateway.metrics.watch("messages"))
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": chat.model}
     headers = {SESSION_HEADER: session.id}
     if chat.stream:

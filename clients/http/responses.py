@@ -326,7 +326,9 @@ async def create(gateway: Gateway, request: Request) -> Response:
     context = _context(req, owner)
     turn = Turn(req, await _place(gateway, request, req, context), context)
     turn.name = _name(owner, turn.id)
-    reply = await Reply.start(turn.placed.session, turn.placed.held, req.chat.messages, req.chat.options)
+    reply = await Reply.start(
+        turn.placed.session, turn.placed.held, req.chat.messages, req.chat.options, gateway.metrics.watch("responses")
+    )
     headers = {SESSION_HEADER: turn.placed.session.id}
     if req.chat.stream:
         event = _Events()

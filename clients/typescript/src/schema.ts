@@ -138,6 +138,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["drafted", "int", 0],
     ["accepted", "int", 0],
     ["link_bytes", "int", 0],
+    ["kv_bytes", "int", 0],
   ]},
   "Disconnect": {"tag": null, "array": false, "fields": [
     ["reason", "str", ""],
@@ -221,6 +222,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["drafted", "int", 0],
     ["accepted", "int", 0],
     ["link_bytes", "int", 0],
+    ["kv_bytes", "int", 0],
     ["compute", {"struct": "Compute"}, null],
   ]},
   "SessionSummary": {"tag": null, "array": false, "fields": [
@@ -296,6 +298,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["history_tokens", "int"],
     ["drafted_tokens", "int", 0],
     ["accepted_tokens", "int", 0],
+    ["reused_tokens", "int", 0],
     ["content", "str", ""],
     ["tool_calls", {"list": {"struct": "ToolCall"}}, []],
   ]},
@@ -372,6 +375,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["restore_p50_s", "float", 0.0],
     ["restore_p99_s", "float", 0.0],
     ["store_bytes", "int", 0],
+    ["store_error", "str", ""],
     ["endpoints", {"list": {"struct": "Endpoint"}}, []],
   ]},
   "Error": {"tag": "error", "array": false, "fields": [
@@ -491,6 +495,7 @@ export interface WorkerHeartbeat {
   drafted?: number;
   accepted?: number;
   linkBytes?: number;
+  kvBytes?: number;
 }
 
 export interface Disconnect {
@@ -583,6 +588,7 @@ export interface WorkerStats {
   drafted?: number;
   accepted?: number;
   linkBytes?: number;
+  kvBytes?: number;
   compute?: Compute;
 }
 
@@ -671,6 +677,7 @@ export interface GenerateResult {
   historyTokens: number;
   draftedTokens?: number;
   acceptedTokens?: number;
+  reusedTokens?: number;
   content?: string;
   toolCalls?: ToolCall[];
 }
@@ -768,6 +775,7 @@ export interface BrokerStats {
   restoreP50S?: number;
   restoreP99S?: number;
   storeBytes?: number;
+  storeError?: string;
   endpoints?: Endpoint[];
 }
 
