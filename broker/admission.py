@@ -6,7 +6,10 @@ idle, that one is hibernated (the broker's job) and the request waits for
 its slab, whatever the policy. Only when every slab is busy with running
 work does the policy decide (per daemon, with a per-session override the
 daemon may allow): `reject` answers `overloaded` at once; `queue` holds the
-request in a FIFO bounded in depth and in wait. While the daemon's own
+request in a queue bounded in depth and in wait, served by priority: the
+highest `priority + waited / priority_aging_s` first (each
+`priority_aging_s` seconds waited count as one level, so nothing waits
+behind higher priorities for ever), the earliest first among equals. While the daemon's own
 workers are still starting, requests wait for them. A per-client quota and
 `max_sessions` bound the sessions (live and hibernated), and the idle
 timeout picks sessions to close. Nothing here touches a socket."""
@@ -17,7 +20,7 @@ import statistics
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from kvmux.protocol import ErrorCode, OpenSession, OverloadReason, ProtocolError
+from kvmux.protocol import PRIORITIES, ErrorCode, OpenSession, OverloadReason, ProtocolError, Sampling
 
 from .config import BrokerConfig
 from .registry import Registry, SessionEntry, State, WorkerEntry
@@ -39,6 +42,7 @@ class Pending:
     env_raw: bytes = b""  # its request's envelope, forwarded untouched
     store: str | None = None  # the store its record is in: only workers reading it may restore it
     prefer: WorkerEntry | None = None  # a fork's: the worker holding its session, when it has a slab
+    priority: int = 0  # Sampling.priority: the queue serves higher first
 
     @property
     def is_open(self) -> bool:
@@ -142,13 +146,15 @@ class Admission:
         return sum(1 for p in self.queue if p.owner == owner and p.is_open)
 
     def next_admitted(self, registry: Registry, now: float) -> tuple[Pending, WorkerEntry] | None:
-        """Pop the queue's head if a slab is free for it."""
+        """Take the queue's first (by priority, aged) if a slab is free for it."""
         if not self.queue:
             return None
-        worker = registry.place(self.queue[0].store, self.queue[0].prefer)
+        aging = self.cfg.priority_aging_s
+        pending = max(self.queue, key=lambda p: (p.priority + (now - p.enqueued) / aging, -p.enqueued))
+        worker = registry.place(pending.store, pending.prefer)
         if worker is None:
             return None
-        pending = self.queue.popleft()
+        self.queue.remove(pending)
         self.waits.append(now - pending.enqueued)
         return pending, worker
 
@@ -194,6 +200,18 @@ class Admission:
     def wait_percentiles(self) -> tuple[float, float]:
         """(p50, p99) of recent queue waits in seconds; 0 when none queued."""
         return percentiles(self.waits)
+
+
+def priority(sampling: Sampling | None, default: int = 0) -> int:
+    """A request's priority: its own, else `default`; one out of bounds is refused."""
+    given = sampling.priority if sampling is not None else None
+    if given is None:
+        return default
+    if given not in PRIORITIES:
+        raise ProtocolError(
+            ErrorCode.INVALID_ARGUMENT, f"priority must be within {PRIORITIES[0]}..{PRIORITIES[-1]}, not {given}"
+        )
+    return given
 
 
 def percentiles(samples) -> tuple[float, float]:

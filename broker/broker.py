@@ -61,7 +61,7 @@ from kvmux.protocol import (
 from kvmux.sessions import StoreError, StoreUnavailable, open_store
 
 from . import auth, endpoints
-from .admission import Admission, Pending, Refusal
+from .admission import Admission, Pending, Refusal, priority
 from .client_frame import ClientFrame
 from .config import BrokerConfig
 from .heap import HeapTrimmer
@@ -346,7 +346,7 @@ class Broker:
         # the worker keeps it in the session's record.
         owner = frame.key or request.client_name or route.hex()
         body = encode(msgspec.structs.replace(request, client_name=owner))
-        pending = Pending(route, request_id, body, owner, frame.now, frame.now)
+        pending = Pending(route, request_id, body, owner, frame.now, frame.now, priority=priority(request.sampling))
         if request.fork is not None:  # on a worker that reads its session's record, its own when it has a slab
             source = self.registry.sessions.get(request.fork.session_id)
             if source is None or source.ending is not None or not frame.owns(source):
@@ -370,7 +370,8 @@ class Broker:
         if pending.is_open:
             session_id = uuid.uuid4().hex
             self.admission.admitted += 1
-            self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
+            req = self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
+            req.priority = pending.priority
             self.to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)
             return
         session = self.registry.sessions.get(pending.session_id)
@@ -662,7 +663,7 @@ class Broker:
             return env_raw, body
         opened = decode_reply(body)
         session = self.registry.add_session(req.session_id, req.worker, req.route, req.owner, now, opened)
-        session.opened_at = time.time()
+        session.opened_at, session.priority = time.time(), req.priority
         if req.orphaned:
             self.lifecycle.end(session, ErrorCode.SESSION_NOT_FOUND)
         elif req.cancel_on_open:

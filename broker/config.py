@@ -70,6 +70,9 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     ] = "reject"
     queue_depth: Annotated[Count, doc("Most opens waiting in the queue at once.")] = 64
     queue_wait_s: Annotated[Positive, doc("Longest an open waits in the queue for a slab.")] = 30.0
+    priority_aging_s: Annotated[
+        Positive, doc("In the queue, each this many seconds waited count as one level of priority.")
+    ] = 5.0
     client_quota: Annotated[
         Count,
         doc(

@@ -37,7 +37,7 @@ from kvmux.protocol import (
 )
 from kvmux.sessions import RecordHead, SessionRecord, SessionStore, StoreError, StoreUnavailable, durable, is_session_id
 
-from .admission import Admission, Pending, percentiles
+from .admission import Admission, Pending, percentiles, priority
 from .client_frame import ClientFrame
 from .config import BrokerConfig
 from .metrics import Metrics
@@ -155,6 +155,8 @@ class Lifecycle:
         self.sends.check_unique(route, env.request_id)
         pending = Pending(route, env.request_id, frame.body, session.owner, frame.now, frame.now)
         pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, session.store
+        request = decode_body(env.op, frame.body)  # its priority, or its session's
+        pending.priority = priority(request if env.op == Op.GENERATE else None, session.priority)
         self.sends.place(pending, None, frame.now)
 
     def _slab_bytes(self, record: SessionRecord) -> int:

@@ -95,6 +95,7 @@ class SessionEntry:
     ending: ErrorCode | None = None  # why the broker decided to close it (its calls are refused with it)
     held: list[Any] = field(default_factory=list)  # ClientFrames that came while it hibernated
     names: set[str] = field(default_factory=set)  # its named points (Mark), in Registry.names
+    priority: int = 0  # its open's Sampling.priority: its calls' default in the admission queue
 
     @property
     def live(self) -> bool:
@@ -128,6 +129,7 @@ class Request:
     dropped: int = 0  # chunks not sent after the overrun
     cancel_on_open: bool = False  # OPEN cancelled by the client while the worker opened it
     started: float = 0.0  # when the client's frame came (metrics: time to first token)
+    priority: int = 0  # an OPEN's: the session's default priority
     last_token: float = 0.0  # when its stream's last chunk passed (0: none yet)
 
 

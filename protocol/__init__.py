@@ -7,6 +7,7 @@ from .codec import (  # noqa: F401  (the package re-exports its API)
     DEFAULT_MAX_TOKENS_LIMIT,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_LIVENESS,
+    PRIORITIES,
     PROTOCOL_VERSION,
     REPLY_OPS,
     REQUEST_BODIES,

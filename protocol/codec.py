@@ -25,6 +25,8 @@ DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
 # append may add (`--max-tokens-limit`, `--max-append-tokens`).
 DEFAULT_MAX_TOKENS_LIMIT = 4096
 DEFAULT_MAX_APPEND_TOKENS = 32768
+# Sampling.priority's bounds (higher first; 0 by default).
+PRIORITIES = range(-100, 101)
 # Any frame counts as a heartbeat; a peer silent for LIVENESS intervals is
 # dead. 2.5 keeps detection inside three intervals even with a late poll.
 HEARTBEAT_INTERVAL_S = 1.0

@@ -109,6 +109,9 @@ class Sampling(_Body):
     tool_choice: str | NamedTool | None = None
     parallel_tool_calls: bool | None = None  # more than one call in a reply (default true)
     logprobs: int | None = None  # each token's log-probability, and this many most likely (0..20)
+    # Higher first (-100..100, default 0): the broker's admission queue and the worker's
+    # shared passes serve a request before those of lower priority (docs/operations.md, "Priority").
+    priority: int | None = None
 
 
 class Fork(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -34,6 +34,7 @@ class GenerationParams:
     tool_choice: str | NamedTool = ToolChoice.AUTO
     parallel_tool_calls: bool = True
     logprobs: int | None = None  # top alternatives per token (0: the token's own only); None: none
+    priority: int = 0  # higher first in the worker's passes (Sampling.priority)
     constraint: Constraint | None = None  # the grammar this generation follows (Engine.constrain)
 
 

@@ -27,6 +27,7 @@ from kvmux import logs
 from kvmux.protocol import (
     DEFAULT_MAX_APPEND_TOKENS,
     DEFAULT_MAX_TOKENS_LIMIT,
+    PRIORITIES,
     ErrorCode,
     Logprobs,
     ProtocolError,
@@ -230,6 +231,7 @@ class Engine:
             tool_choice=pick("tool_choice", ToolChoice.AUTO.value),
             parallel_tool_calls=pick("parallel_tool_calls", True),
             logprobs=pick("logprobs", None),
+            priority=pick("priority", 0),
         )
         problems = []
         if isinstance(params.tool_choice, str):
@@ -252,6 +254,8 @@ class Engine:
                 problems.append("speculative=draft: this worker has no draft model (kvmux serve --draft-model)")
         if not 1 <= params.max_tokens <= self.max_tokens_limit:
             problems.append(f"max_tokens must be within 1..{self.max_tokens_limit} (the worker's --max-tokens-limit)")
+        if params.priority not in PRIORITIES:
+            problems.append(f"priority must be within {PRIORITIES[0]}..{PRIORITIES[-1]}")
         if params.temperature < 0:
             problems.append("temperature must be >= 0")
         if not 0 < params.top_p <= 1:

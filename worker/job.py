@@ -31,6 +31,7 @@ class Job:
     close_after: list[tuple[bytes, int, bool]] = field(default_factory=list)
     saved: bool = False  # the session's record was written after this job's work
     calls: ToolCallStream | None = None  # a generate whose reply is read for tool calls
+    priority: int = 0  # Sampling.priority: higher goes first in the scheduler's passes
 
     @property
     def runnable(self) -> bool:

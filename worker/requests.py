@@ -181,7 +181,8 @@ class Requests:
                 ),
             )
 
-        self.start(route, env, session, steps)
+        defaults = session.sampling
+        self.start(route, env, session, steps, priority=(defaults.priority if defaults else None) or 0)
 
     def generate(self, route: bytes, env: p.Envelope, body: p.Generate, session: LiveSession) -> None:
         self.ensure_idle(session)
@@ -249,7 +250,7 @@ class Requests:
                 ),
             )
 
-        self.start(route, env, session, steps, credit=body.credit)
+        self.start(route, env, session, steps, credit=body.credit, priority=params.priority)
         if tools:
             self.jobs[session.session_id].calls = ToolCallStream(self.engine.tool_format, params.parallel_tool_calls)
 

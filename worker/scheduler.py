@@ -82,17 +82,23 @@ class Scheduler(Requests, Durability):
     def run(self) -> None:
         """Serve until the I/O thread says STOP."""
         while not self.stopping:
-            runnable = [job for job in self.jobs.values() if job.runnable]
+            runnable = sorted((job for job in self.jobs.values() if job.runnable), key=lambda j: -j.priority)
             timeout = 0 if runnable else IDLE_POLL_MS
             while self.pipe.poll(timeout):
                 self.dispatch(self.pipe.recv_multipart())
                 timeout = 0
             # Prefill chunks shrink while other sessions decode: they share
-            # the pass, and a long history must not stall the streams.
-            decoding = any(job.decoding for job in runnable)
-            self.chunk = self.pace.share if decoding else PREFILL_CHUNK
+            # the pass, and a long history must not stall the streams. Of a
+            # higher priority than every stream, a prefill takes whole chunks:
+            # the lower streams wait for it instead.
+            streams = [job.priority for job in runnable if job.decoding]
+            decoding = bool(streams)
             started = time.perf_counter()
-            asking = [job for job in runnable if self.jobs.get(job.session.session_id) is job and self.step(job)]
+            asking = []
+            for job in runnable:  # higher priority first
+                self.chunk = self.pace.share if streams and max(streams) >= job.priority else PREFILL_CHUNK
+                if self.jobs.get(job.session.session_id) is job and self.step(job):
+                    asking.append(job)
             if asking:
                 self.forward_pass(asking)
                 prefill = sum(job.ask.tokens.shape[0] for job in asking if not job.ask.rows)
@@ -170,8 +176,10 @@ class Scheduler(Requests, Durability):
         self.save(job.session)
         self.send(job.route, Op.FINAL, job.request_id, job.session.session_id, body)
 
-    def start(self, route: bytes, env: p.Envelope, session: LiveSession, steps, credit: int = 0) -> None:
-        job = Job(session=session, route=route, request_id=env.request_id, credit=credit)
+    def start(
+        self, route: bytes, env: p.Envelope, session: LiveSession, steps, credit: int = 0, priority: int = 0
+    ) -> None:
+        job = Job(session=session, route=route, request_id=env.request_id, credit=credit, priority=priority)
         job.steps = steps(job)
         self.jobs[session.session_id] = job
 

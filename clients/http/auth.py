@@ -42,6 +42,13 @@ def owner(gateway: Gateway, request: Request) -> str:
     return f"kvmux-http:{hashlib.sha256(key(request).encode()).hexdigest()[:12]}"
 
 
+def prioritize(gateway: Gateway, request: Request, options: dict) -> None:
+    """A request without a `priority` of its own gets its key's default, if the key has one."""
+    default = gateway.priorities.get(key(request))
+    if default is not None:
+        options.setdefault("priority", default)
+
+
 async def mine(gateway: Gateway, request: Request) -> list[p.SessionSummary]:
     """The caller's sessions, live and hibernated."""
     me = owner(gateway, request)

@@ -55,6 +55,7 @@ def chat_of(body: schemas.ChatCompletion) -> Chat:
             seed=body.seed,
             stop=[body.stop] if isinstance(body.stop, str) else body.stop,
             speculative=body.speculative,
+            priority=body.priority,
             tool_choice=p.NamedTool(name=choice.function.name) if isinstance(choice, schemas.NamedFunction) else choice,
             parallel_tool_calls=body.parallel_tool_calls,
             format=body.response_format.format() if body.response_format else None,

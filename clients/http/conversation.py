@@ -60,6 +60,7 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
     its caller's and outlives the gateway, whose client would close it on
     the way out."""
     chat.owner = auth.owner(gateway, request)
+    auth.prioritize(gateway, request, chat.options)
     client = gateway.client
     pinned = request.headers.get(SESSION_HEADER)  # another key's was refused on the way in (auth.Auth)
     if pinned:
@@ -72,7 +73,11 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
         messages = chat.messages
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
         session = await client.open_session(
-            system, client_name=chat.owner, chat_template_kwargs=chat.template_kwargs, tools=chat.tools
+            system,
+            client_name=chat.owner,
+            chat_template_kwargs=chat.template_kwargs,
+            tools=chat.tools,
+            priority=chat.options.get("priority"),
         )
         found = session, Bound(session.id, 0), messages[1:] if system is not None else messages
     found[0].detach()

@@ -18,6 +18,7 @@ SESSION_HEADER = "X-Kvmux-Session"
 class Gateway:
     endpoint: str | None
     api_keys: list[str] = field(default_factory=list)  # none: loopback only (the CLI checks the host)
+    priorities: dict[str, int] = field(default_factory=dict)  # a key's default priority (its key file line)
     timeout_s: float = 600.0
     client: AsyncClient | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)

@@ -83,6 +83,7 @@ def chat_of(body: schemas.AnthropicMessages) -> Chat:
             top_k=body.top_k,
             stop=body.stop_sequences,
             speculative=body.speculative,
+            priority=body.priority,
             tool_choice=named or CHOICE.get(type(choice)),
             parallel_tool_calls=None if disable_parallel is None else not disable_parallel,
         ),

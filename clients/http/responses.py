@@ -97,6 +97,7 @@ def _request(body: schemas.Responses) -> ResponseRequest:
             temperature=body.temperature,
             top_p=body.top_p,
             speculative=body.speculative,
+            priority=body.priority,
             tool_choice=p.NamedTool(name=choice.name) if isinstance(choice, schemas.ResponsesNamed) else choice,
             parallel_tool_calls=body.parallel_tool_calls,
             format=fmt.format() if fmt is not None else None,
@@ -202,7 +203,9 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
             except (errors.Busy, errors.Overloaded) as exc:  # running, or no slab for a copy: prefilled anew
                 log.info("response_branch_prefilled", response=req.previous, why=str(exc))
         req.chat.messages = [*await _conversation(gateway, request, req.previous), *req.input]
-    session = await gateway.client.open_session(req.instructions, client_name=owner, tools=req.chat.tools)
+    session = await gateway.client.open_session(
+        req.instructions, client_name=owner, tools=req.chat.tools, priority=req.chat.options.get("priority")
+    )
     session.detach()
     return Placed(session, 0, opened=True)
 
@@ -322,6 +325,7 @@ class _Events:
 @answered(RESPONSES)
 async def create(gateway: Gateway, request: Request) -> Response:
     req = _request(await schemas.read(request, schemas.Responses))
+    auth.prioritize(gateway, request, req.chat.options)
     owner = auth.owner(gateway, request)
     context = _context(req, owner)
     turn = Turn(req, await _place(gateway, request, req, context), context)

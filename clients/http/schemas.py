@@ -29,6 +29,7 @@ class Sampled(Body):
     SDKs' extra_body), checked by the worker."""
 
     speculative: str | None = None  # auto, off, lookup, draft
+    priority: int | None = None  # higher first in the daemon's queue and passes (the key's default otherwise)
 
 
 def neutral(body: Body, **values: object) -> None:

@@ -126,6 +126,7 @@ CASES: list[tuple[str, Any]] = [
         ),
     ),
     ("open_sampling_empty", p.OpenSession(sampling=p.Sampling())),
+    ("open_priority", p.OpenSession(sampling=p.Sampling(priority=7))),
     ("open_fork", p.OpenSession(fork=p.Fork(session_id="0123456789abcdef0123456789abcdef", messages=3))),
     (
         "open_chat_template_kwargs",
@@ -169,6 +170,7 @@ CASES: list[tuple[str, Any]] = [
         ),
     ),
     ("generate_float_zero", p.Generate(temperature=0.0, top_p=1.0, max_tokens=0)),
+    ("generate_priority", p.Generate(max_tokens=4, priority=-3)),
     ("generate_float_fraction", p.Generate(temperature=0.7, top_p=1e-9, seed=-5)),
     ("generate_long_strings", p.Generate(stop=["x" * 31, "y" * 32, "z" * 255, "w" * 256, "v" * 70000])),
     (

@@ -96,7 +96,7 @@ export interface AppendOptions extends CallOptions {
 
 const SAMPLING_KEYS = [
   "maxTokens", "temperature", "topP", "topK", "seed", "stop", "speculative",
-  "format", "toolChoice", "parallelToolCalls", "logprobs",
+  "format", "toolChoice", "parallelToolCalls", "logprobs", "priority",
 ] as const satisfies readonly (keyof Sampling)[];
 
 const fieldNames = (schema: string): string[] => SCHEMAS[schema].fields.map((f) => camel(f[0]));

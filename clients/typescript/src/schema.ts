@@ -78,6 +78,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["tool_choice", {"union": ["str", {"struct": "NamedTool"}]}, null],
     ["parallel_tool_calls", "bool", null],
     ["logprobs", "int", null],
+    ["priority", "int", null],
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
     ["credit", "int", 0],
   ]},
@@ -167,6 +168,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["tool_choice", {"union": ["str", {"struct": "NamedTool"}]}, null],
     ["parallel_tool_calls", "bool", null],
     ["logprobs", "int", null],
+    ["priority", "int", null],
   ]},
   "ToolCall": {"tag": null, "array": false, "fields": [
     ["id", "str"],
@@ -420,6 +422,7 @@ export interface Generate {
   toolChoice?: string | NamedTool;
   parallelToolCalls?: boolean;
   logprobs?: number;
+  priority?: number;
   messages?: ChatMessage[];
   credit?: number;
 }
@@ -528,6 +531,7 @@ export interface Sampling {
   toolChoice?: string | NamedTool;
   parallelToolCalls?: boolean;
   logprobs?: number;
+  priority?: number;
 }
 
 export interface ToolCall {

@@ -1,0 +1,82 @@
+"""Priorities on a real daemon: under a full queue the broker serves the
+high-priority request before earlier low ones; a priority out of bounds is
+refused by name, by the broker and by the worker; the gateway passes a
+request's on, and a key file gives keys their default."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+from conftest import api, broker_stats
+
+from kvmux.client import Client, InvalidArgument
+from kvmux.http.cli import read_keys
+
+
+def wait_queued(stack, depth: int) -> None:
+    deadline = time.monotonic() + 30
+    while (stats := broker_stats(stack.admin)) is None or stats.queue_depth < depth:
+        assert time.monotonic() < deadline, f"the queue never held {depth}"
+        time.sleep(0.05)
+
+
+@pytest.mark.stack
+def test_a_full_queue_serves_high_priority_first(stack_factory):
+    stack = stack_factory(workers=1, slabs=1, broker_args=["--admission", "queue"])
+    answered: list[str] = []
+    lock = threading.Lock()
+
+    def open_one(name: str, **options) -> None:
+        with Client(stack.frontend, timeout=60) as client:
+            client.open_session(**options).detach()  # it stays: its slab is hibernated for the next
+            with lock:
+                answered.append(name)
+
+    with Client(stack.frontend, timeout=60) as client:
+        busy = client.open_session()
+        # A stream that waits for credit holds the only slab, running.
+        stream = busy.generate(messages=[{"role": "user", "content": "Count to fifty."}], credit=1, max_tokens=200)
+        next(iter(stream))
+        threads = []
+        for depth, (name, priority) in enumerate((("low1", 0), ("low2", 0), ("low3", -1), ("high", 5)), 1):
+            thread = threading.Thread(target=open_one, args=(name,), kwargs={"priority": priority})
+            thread.start()
+            threads.append(thread)
+            wait_queued(stack, depth)
+        busy.close()  # the slab frees: the queue is served, one slab at a time
+        for thread in threads:
+            thread.join(90)
+    assert answered == ["high", "low1", "low2", "low3"]
+
+
+def test_a_priority_out_of_bounds_is_refused(shared_stack):
+    with Client(shared_stack.frontend) as client:
+        with pytest.raises(InvalidArgument, match=r"priority must be within -100\.\.100"):
+            client.open_session(priority=101)
+        session = client.open_session()
+        with pytest.raises(InvalidArgument, match=r"priority must be within -100\.\.100"):
+            "".join(c.text for c in session.chat("Hi", max_tokens=2, priority=-101))
+        assert "".join(c.text for c in session.chat("Hi", max_tokens=2, priority=100))
+
+
+def test_the_gateway_passes_a_requests_priority_on(base):
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        api(base).chat.completions.create(model="kvmux", messages=messages, max_tokens=2, extra_body={"priority": 1000})
+    reply = api(base).chat.completions.create(
+        model="kvmux", messages=messages, max_tokens=2, extra_body={"priority": 9}
+    )
+    assert reply.choices[0].finish_reason
+
+
+def test_a_key_file_gives_keys_their_default_priority():
+    assert read_keys("sk-a\n\n  sk-b priority=7\nsk-c priority=-2\n") == (
+        ["sk-a", "sk-b", "sk-c"],
+        {"sk-b": 7, "sk-c": -2},
+    )
+    for bad in ("sk-a prio=1", "sk-a priority=101", "sk-a priority=x"):
+        with pytest.raises(ValueError, match="line 1"):
+            read_keys(bad)
