@@ -253,6 +253,7 @@ class Broker:
             if not self._renew_lease():
                 self.exit_code = 1
                 return True
+            self.lifecycle.keep_budget()
         for session in self.admission.idle(self.registry, now) if sweep else ():
             self.admission.expired += 1
             self.metrics.expired.labels("idle").inc()
@@ -889,7 +890,7 @@ class Broker:
             restores=self.lifecycle.restores,
             restore_p50_s=restore_p50,
             restore_p99_s=restore_p99,
-            store_bytes=self.lifecycle.store_size(now),
+            store_bytes=self.lifecycle.store_size(),
             store_error=self.store_error,
             endpoints=self.endpoints,
         )

@@ -89,6 +89,13 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     max_sessions: Annotated[
         AtLeastOne, doc("Sessions kept, live and hibernated; an open beyond gets `overloaded` (quota).")
     ] = 10_000
+    max_store_bytes: Annotated[
+        Count,
+        doc(
+            "The session store's byte budget: past it, the least recently used idle hibernated sessions expire"
+            " (never a live one); 0: none."
+        ),
+    ] = 0
     session_ttl_s: Annotated[NonNegative, doc("Delete sessions idle this long (then `session_expired`); 0: never.")] = (
         7 * 24 * 3600.0
     )

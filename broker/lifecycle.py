@@ -45,7 +45,6 @@ from .registry import Registry, Request, SessionEntry, State, WorkerEntry
 
 log = logs.get("broker")
 
-STORE_BYTES_EVERY_S = 10.0  # summing the store's sizes is not free
 _RESTORE_SAMPLES = 4096  # restore times kept for the p50/p99 in stats
 
 
@@ -80,7 +79,8 @@ class Lifecycle:
         self.sends = sends
         self.hibernations = self.restores = 0
         self.restore_times: deque[float] = deque(maxlen=_RESTORE_SAMPLES)
-        self._store_bytes = (0, -STORE_BYTES_EVERY_S)  # (bytes, when summed)
+        self._store_bytes = 0  # the store's count when last read
+        self.over_budget = False  # the store is past max_store_bytes with nothing left to expire
         # Sessions lost with a worker whose store no other process reads, by
         # that store: deleted there when a worker reading it registers.
         self.stranded: dict[str, set[str]] = {}
@@ -356,12 +356,58 @@ class Lifecycle:
         self.registry.hibernating(session)
         self.sends.own_request(session.worker, Op.HIBERNATE, session.session_id, Hibernate())
 
-    def store_size(self, now: float) -> int:
-        size, when = self._store_bytes
-        if now - when >= STORE_BYTES_EVERY_S:
-            size = sum(self.store.bytes_stored(session_id) for session_id in self.registry.sessions)
-            self._store_bytes = (size, now)
-        return size
+    def store_size(self) -> int:
+        """The store's bytes as it counts them (the last count while it cannot be read)."""
+        try:
+            self._store_bytes = self.store.bytes_total()
+        except StoreError as exc:
+            log.debug("store_bytes_unread", why=str(exc))  # the lease renewal says so each second
+        return self._store_bytes
+
+    def keep_budget(self) -> None:
+        """Past `max_store_bytes`, expire the least recently used idle
+        hibernated sessions (nothing running, waiting or held on them) until
+        the store is back within it; a live session never. Each is logged
+        with its owner; its next call gets `session_expired`."""
+        budget = self.cfg.max_store_bytes
+        if not budget:
+            return
+        total = self.store_size()
+        if total <= budget:
+            self.over_budget = False
+            return
+        waiting = {p.session_id for p in self.admission.queue}
+        idle = [
+            s
+            for s in self.registry.sessions.values()
+            if s.state is State.HIBERNATED
+            and s.ending is None
+            and s.store == self.store.store_id
+            and not s.held
+            and s.session_id not in waiting
+        ]
+        for session in sorted(idle, key=lambda s: s.last_active):
+            if total <= budget:
+                break
+            freed = self.store.bytes_stored(session.session_id)
+            log.info(
+                "session_expired",
+                session=session.session_id,
+                owner=session.owner,
+                reason="store_budget",
+                bytes=freed,
+                store_bytes=total,
+                budget=budget,
+            )
+            self.admission.expired += 1
+            self.metrics.expired.labels("store_budget").inc()
+            self.end(session, ErrorCode.SESSION_EXPIRED)
+            total -= freed
+        if total > budget and not self.over_budget:
+            log.warning(
+                "store_over_budget", store_bytes=total, budget=budget, why="only live or busy sessions are left"
+            )
+        self.over_budget = total > budget
 
 
 def _opened_from(head: RecordHead) -> SessionOpened:

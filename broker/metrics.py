@@ -165,7 +165,7 @@ class _State:
         sessions.add_metric(["hibernated"], s.sessions_hibernated)
         yield sessions
         yield GaugeMetricFamily(
-            "kvmux_store_bytes", "Bytes the session store holds (summed every 10 s).", s.store_bytes
+            "kvmux_store_bytes", "Bytes the session store's records and snapshots take.", s.store_bytes
         )
         yield GaugeMetricFamily("kvmux_queue_depth", "Requests waiting in the admission queue.", s.queue_depth)
         yield GaugeMetricFamily("kvmux_in_flight_requests", "Requests sent to workers and not answered.", s.in_flight)

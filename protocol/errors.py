@@ -43,6 +43,7 @@ class OverloadReason(_Code):
     QUOTA = "quota"
     DRAINING = "draining"
     WORKER_STALLED = "worker_stalled"  # the worker's socket is full: it is not reading
+    STORE_FULL = "store_full"  # the session store had no room for the session's record (a full disk, Redis OOM)
 
 
 class StopReason(_Code):

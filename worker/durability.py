@@ -14,7 +14,7 @@ import mlx.core as mx
 from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError
-from kvmux.sessions import Fenced, SessionStore, StoreError, durable
+from kvmux.sessions import Fenced, SessionStore, StoreError, StoreFull, durable
 
 from . import restore
 from .engine import Engine, LiveSession
@@ -22,6 +22,7 @@ from .job import Job
 from .slab import SlabPool
 
 log = logs.get("worker.durability")
+STORE_FULL = p.OverloadReason.STORE_FULL.value
 
 
 class Durability:
@@ -39,9 +40,16 @@ class Durability:
         """Write the session's durable record: after this, a crash of this
         worker loses nothing the session has done. A copy whose placement
         was superseded (this worker was declared lost, the session placed
-        again elsewhere) is dropped, and the request gets `worker_lost`."""
+        again elsewhere) is dropped, and the request gets `worker_lost`.
+        When the store has no room, the live copy is dropped too: the
+        session stays as its record last stood (its next request restores
+        it from there), and the request gets `overloaded` (store_full)."""
         try:
             return durable.save(self.store, session, self.engine.loaded.model_id, snapshot_now=snapshot)
+        except StoreFull as exc:
+            if session.session_id in self.sessions:
+                self.drop(session)
+            raise _no_room(session, exc) from None
         except Fenced as exc:
             log.warning("session_fenced", session=session.session_id, why=str(exc))
             if session.session_id in self.sessions:
@@ -49,6 +57,13 @@ class Durability:
             raise ProtocolError(
                 ErrorCode.WORKER_LOST, f"this worker's copy of session {session.session_id} is stale: {exc}"
             ) from None
+
+    def claim(self, session: LiveSession) -> int:
+        """A new placement of the session in the store (its epoch)."""
+        try:
+            return self.store.claim(session.session_id)
+        except StoreFull as exc:
+            raise _no_room(session, exc) from None
 
     def save_all(self) -> None:
         """On the way out (a drain): snapshot what a restart would replay."""
@@ -92,6 +107,12 @@ class Durability:
         started = time.perf_counter()
         try:
             session, replayed = restore.restore(self.store, self.engine, session_id)
+        except StoreFull as exc:  # its new placement could not be written: it stays stored as it was
+            self.pool.give_back()
+            log.error("session_not_restored", session=session_id, why=str(exc))
+            raise ProtocolError(
+                ErrorCode.OVERLOADED, f"session {session_id} could not be restored: {exc}", reason=STORE_FULL
+            ) from None
         except BaseException:
             self.pool.give_back()
             raise
@@ -122,3 +143,13 @@ class Durability:
         del self.sessions[session.session_id]
         self.pool.give_back()
         mx.clear_cache()
+
+
+def _no_room(session: LiveSession, exc: StoreFull) -> ProtocolError:
+    """The store had no room for the session: `overloaded` (store_full), said and logged with its owner."""
+    log.error("session_not_stored", session=session.session_id, owner=session.owner, why=str(exc))
+    return ProtocolError(
+        ErrorCode.OVERLOADED,
+        f"session {session.session_id} was not stored, and stays as it last was: {exc}",
+        reason=STORE_FULL,
+    )

@@ -82,10 +82,11 @@ class Requests:
         session.owner = body.client_name or ""
         self.sessions[session.session_id] = session
         try:
-            session.epoch = self.store.claim(session.session_id)
+            session.epoch = self.claim(session)
             self.save(session, snapshot=body.fork is not None)  # a fork's slab is in no file of its own yet
         except BaseException:
-            self.drop(session)
+            if session.session_id in self.sessions:  # (a save that found no room dropped it)
+                self.drop(session)
             raise
         log.info("session_opened", session=session.session_id, sink=session.sink, window=session.window)
         self.send(

@@ -5,6 +5,7 @@ under the daemon's state dir.
     <state_dir>/sessions/<session_id>/slab-<n>.safetensors the slab when last snapshotted
     <state_dir>/sessions/<session_id>/epoch                its placement count (fencing)
     <state_dir>/sessions/broker.lock                       the broker's lease
+    <state_dir>/sessions/bytes                             what records and snapshots take (bytes_total)
 
 The record is rewritten after every request a worker completes (a few KB to
 a few hundred KB: it holds the token history). Every write is atomic (temp
@@ -14,12 +15,17 @@ this store when they run on one host with one state dir (`store_id`).
 A session's epoch sits beside its record, read and written under an
 exclusive lock on the session's dir (flock), as is every fenced record
 write; the broker's lease is a lock on `broker.lock`, released by the
-kernel when the broker dies.
+kernel when the broker dies. Every process that writes or deletes a
+record or a snapshot adds the change in size to `bytes`, under a lock on
+it; when it is missing or unreadable the next reader counts it afresh. A
+write that meets a full disk (ENOSPC, EDQUOT) raises StoreFull, its temp
+file gone and the previous file in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -28,13 +34,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .files import atomic_write
-from .record import Fenced, SessionRecord, StoreError, encode, is_session_id
+from .record import Fenced, SessionRecord, StoreError, StoreFull, encode, is_session_id
 from .store import SessionStore
 
 RECORD = "record.msgpack"
 EPOCH = "epoch"
 LEASE = "broker.lock"
+BYTES = "bytes"
 _SNAPSHOTS = "slab-*.safetensors"
+_BYTES_WIDTH = 20  # the count is rewritten in place at this width: no write of it ever needs a new block
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _room(what: str):
+    """A full disk as StoreFull."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise StoreFull(f"no room for {what}: {exc.strerror}") from None
+        raise
 
 
 def store_id(state_dir: Path | str) -> str:
@@ -77,7 +97,7 @@ class LocalStore(SessionStore):
             return 0  # a record from before fencing: any first claim takes it
 
     def claim(self, session_id: str) -> int:
-        with self._locked(session_id) as folder:
+        with self._locked(session_id) as folder, _room(f"session {session_id}'s epoch"):
             epoch = self._epoch(folder) + 1
             atomic_write(folder / EPOCH, str(epoch).encode())
             return epoch
@@ -88,7 +108,10 @@ class LocalStore(SessionStore):
             current = self._epoch(folder)
             if epoch != current:
                 raise Fenced(f"session {record.session_id} was placed again (epoch {current}, this write's {epoch})")
-            atomic_write(folder / RECORD, data)  # mkstemp makes it 0600
+            before = _size(folder / RECORD)
+            with _room(f"session {record.session_id}'s record"):
+                atomic_write(folder / RECORD, data)  # mkstemp makes it 0600
+        self._count(len(data) - before)
         return len(data)
 
     def record_bytes(self, session_id: str) -> bytes | None:
@@ -105,7 +128,10 @@ class LocalStore(SessionStore):
         folder = self.dir(session_id)
         folder.mkdir(exist_ok=True, mode=0o700)
         name = name or snapshot.name()
-        return name, snapshot.save(folder / name, slab, logits)
+        with _room(f"session {session_id}'s slab snapshot"):
+            size = snapshot.save(folder / name, slab, logits)
+        self._count(size)
+        return name, size
 
     def load_snapshot(self, session_id: str, name: str, slab: list):
         from . import snapshot
@@ -115,12 +141,17 @@ class LocalStore(SessionStore):
     def prune_snapshots(self, session_id: str, keep: str | None) -> None:
         from . import snapshot
 
+        freed = 0
         for path in self.dir(session_id).glob(_SNAPSHOTS):
             if snapshot.whole(path.name) != keep:
+                freed += _size(path)
                 path.unlink(missing_ok=True)
+        self._count(-freed)
 
     def delete(self, session_id: str) -> None:
+        freed = self.bytes_stored(session_id)
         shutil.rmtree(self.dir(session_id), ignore_errors=True)
+        self._count(-freed)
 
     def session_ids(self) -> Iterator[str]:
         for path in self.root.iterdir():
@@ -128,10 +159,40 @@ class LocalStore(SessionStore):
                 yield path.name
 
     def bytes_stored(self, session_id: str) -> int:
+        folder = self.dir(session_id)
+        return _size(folder / RECORD) + sum(_size(path) for path in folder.glob(_SNAPSHOTS))
+
+    def bytes_total(self) -> int:
+        fd = os.open(self.root / BYTES, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            return sum(p.stat().st_size for p in self.dir(session_id).iterdir())
-        except OSError:
-            return 0
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                return int(os.pread(fd, _BYTES_WIDTH, 0))
+            except ValueError:  # new, or torn: counted afresh
+                total = sum(self.bytes_stored(session_id) for session_id in self.session_ids())
+                os.pwrite(fd, str(total).encode().ljust(_BYTES_WIDTH), 0)
+                return total
+        finally:
+            os.close(fd)  # and with it the lock
+
+    def _count(self, change: int) -> None:
+        """Add `change` to the bytes counted, if a count is kept."""
+        if not change:
+            return
+        try:
+            fd = os.open(self.root / BYTES, os.O_RDWR)
+        except FileNotFoundError:
+            return  # no count yet: bytes_total makes it from the files
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                total = max(0, int(os.pread(fd, _BYTES_WIDTH, 0)) + change)
+            except ValueError:
+                os.ftruncate(fd, 0)  # unreadable: bytes_total counts afresh
+                return
+            os.pwrite(fd, str(total).encode().ljust(_BYTES_WIDTH), 0)
+        finally:
+            os.close(fd)
 
     def lease(self, holder: str, ttl_s: float) -> str:
         if self._lease is None:
@@ -151,3 +212,10 @@ class LocalStore(SessionStore):
         if self._lease is not None:
             os.close(self._lease)
             self._lease = None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -40,6 +40,11 @@ class StoreUnavailable(StoreError):
     """The store cannot be reached (a Redis server down or unreachable)."""
 
 
+class StoreFull(StoreError):
+    """The store has no room for a write (a full disk, a Redis server at its
+    maxmemory): nothing of that write is stored, what was stored stays."""
+
+
 class Turn(msgspec.Struct, array_like=True):
     """Where a turn of the conversation ended (its messages queued, or a
     reply closed): a rewind may take the session back there."""

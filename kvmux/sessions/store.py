@@ -15,6 +15,11 @@ worker declared lost that comes back cannot overwrite what the session's
 new worker wrote. One broker serves a store at a time: it holds the store's
 `lease`.
 
+Bytes: every backend counts what its records and snapshots take as it
+writes and deletes them (`bytes_total`), so that the broker keeps the store
+within `max_store_bytes` without summing every session's files; a write
+that finds no room raises `StoreFull`, having stored nothing of itself.
+
 Backends: `LocalStore` (local.py), a directory under the state dir, one
 host; `RedisStore` (redis_store.py), any number of hosts. `open_store`
 (backends.py, which knows them all) picks one from the `store` setting.
@@ -106,6 +111,11 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     def bytes_stored(self, session_id: str) -> int:
         """What the session takes in the store (record and snapshots)."""
+
+    @abc.abstractmethod
+    def bytes_total(self) -> int:
+        """What every session's record and snapshots take, as counted on
+        each write and delete (counted afresh when no count is kept yet)."""
 
     @abc.abstractmethod
     def lease(self, holder: str, ttl_s: float) -> str:
