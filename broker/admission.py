@@ -43,6 +43,7 @@ class Pending:
     store: str | None = None  # the store its record is in: only workers reading it may restore it
     prefer: WorkerEntry | None = None  # a fork's: the worker holding its session, when it has a slab
     priority: int = 0  # Sampling.priority: the queue serves higher first
+    traceparent: str | None = None  # its request's trace, while the broker traces (kvmux/tracing.py)
 
     @property
     def is_open(self) -> bool:

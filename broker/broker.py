@@ -30,7 +30,7 @@ from typing import ClassVar
 import msgspec
 import zmq
 
-from kvmux import logs
+from kvmux import logs, tracing
 from kvmux.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -261,7 +261,7 @@ class Broker:
             self.lifecycle.end(session, ErrorCode.SESSION_EXPIRED)
         while (admitted := self.admission.next_admitted(self.registry, now)) is not None:
             self.metrics.queue_wait.observe(now - admitted[0].enqueued)
-            self._admit(*admitted)
+            self._admit(*admitted, queued=True)
         self.lifecycle.hibernate(now, sweep, self.drain is not None)
         self.metrics.publish(lambda: self.stats(now))
         self.outbox.flush()
@@ -348,6 +348,7 @@ class Broker:
         owner = frame.key or request.client_name or route.hex()
         body = encode(msgspec.structs.replace(request, client_name=owner))
         pending = Pending(route, request_id, body, owner, frame.now, frame.now, priority=priority(request.sampling))
+        pending.traceparent = request.traceparent
         if request.fork is not None:  # on a worker that reads its session's record, its own when it has a slab
             source = self.registry.sessions.get(request.fork.session_id)
             if source is None or source.ending is not None or not frame.owns(source):
@@ -367,7 +368,8 @@ class Broker:
         else:
             log.debug("queued", request_id=pending.request_id, depth=len(self.admission.queue))
 
-    def _admit(self, pending: Pending, worker: WorkerEntry) -> None:
+    def _admit(self, pending: Pending, worker: WorkerEntry, queued: bool = False) -> None:
+        self._trace_admission(pending, worker, queued)
         if pending.is_open:
             session_id = uuid.uuid4().hex
             self.admission.admitted += 1
@@ -385,6 +387,20 @@ class Broker:
         req = self.registry.track(pending.route, pending.request_id, env.op, session.worker, session.session_id)
         req.started = pending.enqueued
         self.to_worker(session.worker, pending.route, pending.env_raw, pending.body)
+
+    def _trace_admission(self, pending: Pending, worker: WorkerEntry, queued: bool) -> None:
+        """Its request's admission spans, where it is traced: from its arrival
+        to its placement (its wait in the queue, when it waited there)."""
+        if not (pending.traceparent and tracing.enabled()):
+            return
+        arrived = tracing.wall_ns(pending.enqueued)
+        op = "open" if pending.is_open else decode_envelope(pending.env_raw).op
+        tracing.record("kvmux.admission", pending.traceparent, arrived, op=op, queued=queued)
+        if queued:
+            tracing.record("kvmux.queue_wait", pending.traceparent, arrived, priority=pending.priority)
+        session = self.registry.sessions.get(pending.session_id)
+        restore = session is not None and session.worker is None  # placed now, restored by the worker
+        tracing.record("kvmux.placement", pending.traceparent, time.time_ns(), worker=worker.worker_id, restore=restore)
 
     def forward(self, frame: ClientFrame) -> None:
         """APPEND, GENERATE, INFO, CLOSE, CREDIT, REWIND, MARK: to the worker holding the
@@ -406,6 +422,9 @@ class Broker:
             self.check_unique(frame.route, env.request_id)
             req = self.registry.track(frame.route, env.request_id, env.op, session.worker, session.session_id)
             req.started = frame.now
+            if env.op in _STREAMING and (traceparent := tracing.of(frame.body)):
+                worker = session.worker.worker_id
+                tracing.record("kvmux.admission", traceparent, tracing.wall_ns(frame.now), op=env.op, worker=worker)
         self.to_worker(session.worker, frame.route, frame.env_raw, frame.body)
 
     def _cancel(self, frame: ClientFrame) -> None:

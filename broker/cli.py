@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import typer
 
-from kvmux import logs, paths
+from kvmux import logs, paths, tracing
 from kvmux.settings import ConfigError, with_options
 
 from .config import SETTINGS, load
@@ -60,6 +60,7 @@ def serve(
     from .local import LocalWorkers
 
     logs.configure()
+    tracing.setup("kvmux-broker")
     log = logs.get("broker")
     try:
         cfg = load(config, **settings)

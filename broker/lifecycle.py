@@ -157,6 +157,7 @@ class Lifecycle:
         pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, session.store
         request = decode_body(env.op, frame.body)  # its priority, or its session's
         pending.priority = priority(request if env.op == Op.GENERATE else None, session.priority)
+        pending.traceparent = getattr(request, "traceparent", None)  # (APPEND's and GENERATE's)
         self.sends.place(pending, None, frame.now)
 
     def _slab_bytes(self, record: SessionRecord) -> int:
@@ -343,8 +344,8 @@ class Lifecycle:
         in_flight = sum(1 for s in sessions if s.state is State.HIBERNATING)
         wanted = [p for p in self.admission.queue if self.registry.place(p.store) is None]
         if len(wanted) > in_flight and self.registry.workers:
-            for session in self.registry.idle_live(wanted[0].store)[: len(wanted) - in_flight]:
-                self._send_hibernate(session)
+            for session, waiting in zip(self.registry.idle_live(wanted[0].store), wanted[in_flight:], strict=False):
+                self._send_hibernate(session, waiting.traceparent)
         limit = self.cfg.hibernate_after_s
         if sweep and limit and not draining:
             for session in self.registry.idle_live():
@@ -352,9 +353,10 @@ class Lifecycle:
                     break  # least recently used first: the rest are fresher
                 self._send_hibernate(session)
 
-    def _send_hibernate(self, session: SessionEntry) -> None:
+    def _send_hibernate(self, session: SessionEntry, traceparent: str | None = None) -> None:
+        """`traceparent`: the request waiting for its slab, where that one is traced."""
         self.registry.hibernating(session)
-        self.sends.own_request(session.worker, Op.HIBERNATE, session.session_id, Hibernate())
+        self.sends.own_request(session.worker, Op.HIBERNATE, session.session_id, Hibernate(traceparent=traceparent))
 
     def store_size(self) -> int:
         """The store's bytes as it counts them (the last count while it cannot be read)."""

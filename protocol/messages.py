@@ -140,6 +140,7 @@ class OpenSession(_Body):
     # A copy of an existing session (its system prompt, tools, template
     # options, window and sampling defaults; the fields above are then unset).
     fork: Fork | None = None
+    traceparent: str | None = None  # the caller's span, W3C trace context: traces follow the request (kvmux/tracing.py)
 
 
 class Append(_Body):
@@ -148,6 +149,7 @@ class Append(_Body):
 
     messages: list[ChatMessage] = []
     token_ids: list[int] = []
+    traceparent: str | None = None  # the caller's span, W3C trace context: traces follow the request (kvmux/tracing.py)
 
 
 class Generate(Sampling):
@@ -157,6 +159,7 @@ class Generate(Sampling):
 
     messages: list[ChatMessage] = []
     credit: int = 0
+    traceparent: str | None = None  # the caller's span, W3C trace context: traces follow the request (kvmux/tracing.py)
 
 
 class Cancel(_Body):
@@ -221,7 +224,10 @@ class ListSessions(_Body):
 
 
 class Hibernate(_Body):
-    """Broker -> worker: write the session's slab to the store and free it."""
+    """Broker -> worker: write the session's slab to the store and free it
+    (`traceparent`: the request waiting for its slab, if that one is traced)."""
+
+    traceparent: str | None = None  # the caller's span, W3C trace context: traces follow the request (kvmux/tracing.py)
 
 
 class Stats(_Body):

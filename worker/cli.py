@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from kvmux import logs, settings
+from kvmux import logs, settings, tracing
 from kvmux.worker.preload import ensure_preloaded
 from kvmux.worker.server import Worker, WorkerConfig
 
@@ -29,6 +29,7 @@ def worker(**options: Any) -> None:
         raise typer.Exit(2) from None
     ensure_preloaded()
     logs.configure()
+    tracing.setup("kvmux-worker")
     group = None
     if config.pipeline > 1:  # a worker group (worker/group.py): rank 0 is the worker, the others follow it
         from kvmux.worker import group as worker_group

@@ -11,7 +11,7 @@ import time
 
 import mlx.core as mx
 
-from kvmux import logs
+from kvmux import logs, tracing
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError
 from kvmux.sessions import Fenced, SessionStore, StoreError, StoreFull, durable
@@ -97,14 +97,16 @@ class Durability:
             info = durable.hibernated_info(record, slab_bytes, idle_s, body)
             self.send(route, Op.FINAL, env.request_id, env.session_id, info)
             return None
-        return self.restore(env.session_id)
+        return self.restore(env.session_id, getattr(body, "traceparent", None))  # (APPEND's and GENERATE's)
 
-    def restore(self, session_id: str) -> LiveSession:
+    def restore(self, session_id: str, traceparent: str | None = None) -> LiveSession:
+        """The session, from its record into a free slab (`traceparent`: the
+        request that needs it, where that one is traced)."""
         if self.draining:
             raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
         if not self.pool.take():
             raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.time_ns()
         try:
             session, replayed = restore.restore(self.store, self.engine, session_id)
         except StoreFull as exc:  # its new placement could not be written: it stays stored as it was
@@ -121,6 +123,7 @@ class Durability:
         session.last_restore_s = seconds
         self.sessions[session_id] = session
         log.info("session_restored", session=session_id, seconds=round(seconds, 4), replayed_tokens=replayed)
+        tracing.record("kvmux.restore", traceparent, began, replayed_tokens=replayed)
         restored = p.Restored(session_id=session_id, seconds=seconds, replayed_tokens=replayed)
         self.send(b"", Op.RESTORED, 0, session_id, restored)
         return session

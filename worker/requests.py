@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import ClassVar, NamedTuple
 
-from kvmux import logs
+from kvmux import logs, tracing
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError, StopReason
 from kvmux.sessions import Turn, durable
@@ -165,8 +165,9 @@ class Requests:
         new_tokens = len(session.pending)
 
         def steps(job: Job):
-            started = time.perf_counter()
+            started, began = time.perf_counter(), time.time_ns()
             cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
+            tracing.record("kvmux.prefill", body.traceparent, began, tokens=new_tokens)
             if cancelled or job.cancelled:
                 raise ProtocolError(
                     ErrorCode.CANCELLED,
@@ -207,16 +208,25 @@ class Requests:
 
         def steps(job: Job):
             queued, reused = len(session.pending), len(session.history)
-            started = time.perf_counter()
+            started, began = time.perf_counter(), time.time_ns()
             cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
             prefill_s = time.perf_counter() - started
             prompt_tokens = queued - len(session.pending)
+            tracing.record("kvmux.prefill", body.traceparent, began, tokens=prompt_tokens, reused_tokens=reused)
             decoding, decode_s = GenerationEnd(StopReason.CANCELLED, ""), 0.0
             before = len(session.history)
             if not (cancelled or job.cancelled):
-                started = time.perf_counter()
+                started, began = time.perf_counter(), time.time_ns()
                 decoding = yield from self.engine.decode(session, params)
                 decode_s = time.perf_counter() - started
+                tracing.record(
+                    "kvmux.decode",
+                    body.traceparent,
+                    began,
+                    tokens=len(session.history) - before,
+                    drafted_tokens=decoding.drafted,
+                    accepted_tokens=decoding.accepted,
+                )
             completion = len(session.history) - before
             reason, text = decoding.reason, decoding.text
             content, calls = job.calls.finish() if job.calls else ("", [])
@@ -334,10 +344,11 @@ class Requests:
         picked it as idle; a job started since makes it `busy`)."""
         if session.session_id in self.jobs:
             raise ProtocolError(ErrorCode.BUSY, "a request runs on this session")
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.time_ns()
         written = self.save(session, snapshot=True)
         self.drop(session)
         seconds = time.perf_counter() - started
+        tracing.record("kvmux.hibernate", body.traceparent, began, bytes=written)
         log.info("session_hibernated", session=session.session_id, bytes=written, seconds=round(seconds, 4))
         self.send(
             route,

@@ -1,8 +1,8 @@
 """The gateway's app: the broker's client opened at startup, each API's
 routes (chat.py, messages.py, responses.py, page.py), GET /health, /ready
 and /metrics, and the middleware in front of them: the callers' keys and
-sessions (auth.Auth), the page's timings (page.Watch) and the requests'
-count (metrics.Count)."""
+sessions (auth.Auth), the page's timings (page.Watch), the requests'
+count (metrics.Count) and, while it traces, their spans (traces.Traced)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvmux import tracing
 from kvmux.client import AsyncClient, errors
 
 from . import chat, messages, page, responses
@@ -21,6 +22,7 @@ from .auth import Auth
 from .errors import ANTHROPIC
 from .gateway import Gateway
 from .metrics import Count
+from .traces import Traced
 
 # Each route's dialect, where it is not OpenAI's: how auth.Auth refuses a caller there.
 DIALECTS = {"/v1/messages": ANTHROPIC}
@@ -78,4 +80,6 @@ def make_app(gateway: Gateway) -> Starlette:
         Middleware(Auth, dialects=DIALECTS),
         page.middleware(metrics),
     ]
+    if tracing.enabled():
+        middleware.insert(0, Middleware(Traced))
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

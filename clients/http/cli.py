@@ -33,7 +33,7 @@ def http(
     """Serve OpenAI's chat completions and Responses APIs, Anthropic's Messages and a page; each conversation is a live kvmux session."""
     import uvicorn
 
-    from kvmux import logs
+    from kvmux import logs, tracing
 
     from .app import make_app
     from .gateway import Gateway
@@ -49,6 +49,7 @@ def http(
     if not keys and not _loopback(host):
         raise typer.BadParameter(f"{host} is not loopback: give --api-key-file", param_hint="--host")
     logs.configure()
+    tracing.setup("kvmux-http")
     app = make_app(Gateway(endpoint or default_frontend(), api_keys=keys, priorities=priorities))
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

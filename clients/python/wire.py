@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kvmux import protocol as p
+from kvmux import tracing
 
 from . import errors
 
@@ -66,15 +67,17 @@ def open_body(system: str | None, sampling: p.Sampling | dict | None = None, **o
         sampling = {f: getattr(sampling, f) for f in p.Sampling.__struct_fields__}
     merged = {**(sampling or {}), **flat}
     sampling = p.Sampling(**typed(p.Sampling, merged)) if merged else None
+    options.setdefault("traceparent", tracing.current())
     return p.OpenSession(system=system, sampling=sampling, **typed(p.OpenSession, options))
 
 
 def generate_body(messages: MessagesLike | None = None, credit: int = DEFAULT_CREDIT, **sampling: Any) -> p.Generate:
+    sampling.setdefault("traceparent", tracing.current())
     return p.Generate(messages=chat_messages(messages), credit=credit, **typed(p.Generate, sampling))
 
 
 def append_body(messages: MessagesLike | None = None, token_ids: list[int] | None = None) -> p.Append:
-    return p.Append(messages=chat_messages(messages), token_ids=list(token_ids or ()))
+    return p.Append(messages=chat_messages(messages), token_ids=list(token_ids or ()), traceparent=tracing.current())
 
 
 def request_frames(op: str, request_id: int, session_id: str, body: msgspec.Struct) -> list[bytes]:

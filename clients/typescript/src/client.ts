@@ -88,6 +88,8 @@ export interface GenerateOptions extends CallOptions, SamplingOptions {
   credit?: number;
   /** Aborting cancels the generation on the worker; the pending `next()` rejects with the signal's reason. */
   signal?: AbortSignal;
+  /** The caller's span as a W3C traceparent: the daemon's spans for this generation join its trace. */
+  traceparent?: string;
 }
 export interface AppendOptions extends CallOptions {
   messages?: ChatMessage[];
@@ -101,7 +103,7 @@ const SAMPLING_KEYS = [
 
 const fieldNames = (schema: string): string[] => SCHEMAS[schema].fields.map((f) => camel(f[0]));
 const OPEN_KEYS = new Set([...fieldNames("OpenSession"), ...SAMPLING_KEYS, "timeoutMs"]);
-const GENERATE_KEYS = new Set([...SAMPLING_KEYS, "messages", "credit", "signal", "timeoutMs"]);
+const GENERATE_KEYS = new Set([...SAMPLING_KEYS, "messages", "credit", "signal", "timeoutMs", "traceparent"]);
 const APPEND_KEYS = new Set(["messages", "tokenIds", "timeoutMs"]);
 const CALL_KEYS = new Set(["timeoutMs"]);
 const MARK_KEYS = new Set(["timeoutMs", "notes", "drop", "fromEnd"]);
@@ -167,13 +169,13 @@ export class Client {
 
   async openSession(options: OpenOptions = {}): Promise<Session> {
     checkOptions(options, OPEN_KEYS, "openSession");
-    const { system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork } = options;
+    const { system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork, traceparent } = options;
     if (chatTemplateKwargs !== undefined && (chatTemplateKwargs === null || typeof chatTemplateKwargs !== "object" || Array.isArray(chatTemplateKwargs))) {
       throw new InvalidArgument("chatTemplateKwargs must be an object: template variable -> value");
     }
     const sampling = { ...options.sampling, ...pickSampling(options) };
     const body = {
-      system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork,
+      system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork, traceparent,
       sampling: Object.keys(sampling).length ? sampling : undefined,
     };
     // A queued open may legitimately wait queueWaitS before its answer.
@@ -426,7 +428,7 @@ export class Session {
   async start(options: GenerateOptions): Promise<Feed> {
     await this.settle();
     const credit = options.credit ?? DEFAULT_CREDIT;
-    const body = { ...pickSampling(options), messages: options.messages ?? [], credit };
+    const body = { ...pickSampling(options), messages: options.messages ?? [], credit, traceparent: options.traceparent };
     const [requestId, queue] = await this.client.request(Op.GENERATE, this.id, "Generate", body);
     this.feed = new Feed(this.client, this.id, requestId, queue, credit, options.timeoutMs);
     return this.feed;

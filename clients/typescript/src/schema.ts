@@ -61,10 +61,12 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["queue_wait_s", "float", null],
     ["client_name", "str", null],
     ["fork", {"struct": "Fork"}, null],
+    ["traceparent", "str", null],
   ]},
   "Append": {"tag": null, "array": false, "fields": [
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
     ["token_ids", {"list": "int"}, []],
+    ["traceparent", "str", null],
   ]},
   "Generate": {"tag": null, "array": false, "fields": [
     ["max_tokens", "int", null],
@@ -81,6 +83,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["priority", "int", null],
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
     ["credit", "int", 0],
+    ["traceparent", "str", null],
   ]},
   "Cancel": {"tag": null, "array": false, "fields": [
     ["request_id", "int", null],
@@ -103,7 +106,9 @@ export const SCHEMAS: Record<string, StructTable> = {
   ]},
   "Resume": {"tag": null, "array": false, "fields": []},
   "ListSessions": {"tag": null, "array": false, "fields": []},
-  "Hibernate": {"tag": null, "array": false, "fields": []},
+  "Hibernate": {"tag": null, "array": false, "fields": [
+    ["traceparent", "str", null],
+  ]},
   "Rewind": {"tag": null, "array": false, "fields": [
     ["messages", "int"],
   ]},
@@ -403,11 +408,13 @@ export interface OpenSession {
   queueWaitS?: number;
   clientName?: string;
   fork?: Fork;
+  traceparent?: string;
 }
 
 export interface Append {
   messages?: ChatMessage[];
   tokenIds?: number[];
+  traceparent?: string;
 }
 
 export interface Generate {
@@ -425,6 +432,7 @@ export interface Generate {
   priority?: number;
   messages?: ChatMessage[];
   credit?: number;
+  traceparent?: string;
 }
 
 export interface Cancel {
@@ -457,7 +465,9 @@ export interface Resume {}
 
 export interface ListSessions {}
 
-export interface Hibernate {}
+export interface Hibernate {
+  traceparent?: string;
+}
 
 export interface Rewind {
   messages: number;
