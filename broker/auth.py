@@ -87,16 +87,22 @@ class Auth:
 
     def __init__(self, secret_file: str, client_keys: str, worker_keys: str, admin_keys: str) -> None:
         self.public, self.secret = keys.key_pair(secret_file)
-        self.admins = KeyDir(admin_keys) if admin_keys else None
         # Local workers get a key pair of their own for this run only.
         self.local_public, self.local_secret = zmq.curve_keypair()
-        client_dirs = [KeyDir(d) for d in (client_keys, admin_keys) if d]
-        worker_dirs = [KeyDir(worker_keys)] if worker_keys else []
         self.allowlists = {
-            FRONTEND: Allowlist(FRONTEND, client_dirs),
-            BACKEND: Allowlist(BACKEND, worker_dirs, frozenset({self.local_public})),
+            FRONTEND: Allowlist(FRONTEND, []),
+            BACKEND: Allowlist(BACKEND, [], frozenset({self.local_public})),
         }
+        self.admins: KeyDir | None = None
+        self.use_keys(client_keys, worker_keys, admin_keys)
         self.authenticator: ThreadAuthenticator | None = None
+
+    def use_keys(self, client_keys: str, worker_keys: str, admin_keys: str) -> None:
+        """Allow the keys of these directories from the next connection on
+        (at start, and when SIGHUP reloads the config)."""
+        self.admins = KeyDir(admin_keys) if admin_keys else None
+        self.allowlists[FRONTEND].dirs = [KeyDir(d) for d in (client_keys, admin_keys) if d]
+        self.allowlists[BACKEND].dirs = [KeyDir(worker_keys)] if worker_keys else []
 
     def start(self, ctx: zmq.Context) -> None:
         self.authenticator = ThreadAuthenticator(ctx, log=_ZapLog())

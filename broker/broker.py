@@ -79,6 +79,24 @@ _SWEEP_S = 1.0  # how often expiry and idle hibernation look at every session
 LEASE_S = 10.0  # the store lease's life: renewed every sweep; a broker that dies frees it this much later
 _EMPTY_MAP = encode({})
 _STREAMING = (Op.APPEND, Op.GENERATE)
+KEY_DIRS = frozenset({"client_keys", "worker_keys", "admin_keys"})  # with CURVE on: reloadable
+# What SIGHUP changes in a running daemon: the rest needs a restart.
+RELOADABLE = KEY_DIRS | {
+    "admission",
+    "queue_depth",
+    "queue_wait_s",
+    "priority_aging_s",
+    "client_quota",
+    "idle_timeout_s",
+    "hibernate_after_s",
+    "max_sessions",
+    "max_store_bytes",
+    "session_ttl_s",
+    "worker_wait_s",
+    "allow_session_override",
+    "retry_after_s",
+    "drain_grace_s",
+}
 
 
 Handler = Callable[["Broker", ClientFrame], None]
@@ -99,6 +117,8 @@ class Broker:
     def __init__(self, cfg: BrokerConfig, on_tick: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
         self.on_tick = on_tick  # watching local worker processes: False = give up
+        self.reload_from: Callable[[], BrokerConfig] = lambda: cfg  # the config SIGHUP reads again (`kvmux serve`'s)
+        self._reload_request = False  # set from a signal handler
         self.exit_code = 0
         # First the store and its lease: a broker that may not serve it
         # (unreachable, or another broker's) stops before it binds anything.
@@ -195,6 +215,35 @@ class Broker:
             return
         self._drain_request = self.cfg.drain_grace_s if grace_s is None else grace_s
 
+    def request_reload(self) -> None:
+        """Ask the loop to read its config again (safe to call from a signal handler)."""
+        self._reload_request = True
+
+    def _reload(self) -> None:
+        """SIGHUP: what can change while the daemon runs (admission and the
+        session store's limits, the key directories) takes the config's new
+        values, logged; a change to anything else is logged as needing a
+        restart and not made; a config that does not load changes nothing."""
+        try:
+            new = self.reload_from()
+        except ValueError as exc:  # ConfigError: the file's problem, named
+            log.error("reload_refused", why=str(exc))
+            return
+        changed = {
+            name: [getattr(self.cfg, name), getattr(new, name)]
+            for name in self.cfg.__struct_fields__
+            if getattr(self.cfg, name) != getattr(new, name)
+        }
+        later = sorted(name for name in changed if name not in RELOADABLE or (name in KEY_DIRS and not self.auth))
+        now = {name: values for name, values in changed.items() if name not in later}
+        for name, (_, value) in now.items():
+            setattr(self.cfg, name, value)
+        if self.auth is not None and KEY_DIRS & now.keys():
+            self.auth.use_keys(self.cfg.client_keys, self.cfg.worker_keys, self.cfg.admin_keys)
+        log.info("reloaded", changed=now)
+        if later:
+            log.warning("reload_needs_restart", settings=later, why="these change only when the daemon starts")
+
     def run(self) -> int:
         poller = zmq.Poller()
         for sock in (self.frontend, self.backend, self.admin):
@@ -206,6 +255,9 @@ class Broker:
             if self._drain_request is not None:  # a signal came during the poll: before any frame
                 self._start_drain(self._drain_request, time.monotonic())
                 self._drain_request = None
+            if self._reload_request:
+                self._reload_request = False
+                self._reload()
             if self.backend in events:
                 self._read(self.backend, self._on_worker_frames)
             if self.frontend in events:

@@ -74,6 +74,7 @@ def serve(
         raise typer.Exit(2) from None
     local = LocalWorkers(cfg, broker.auth)
     broker.on_tick = local.check
+    broker.reload_from = lambda: load(config, **settings)
     try:
         broker.bind()
     except (EndpointInUse, OSError) as exc:
@@ -90,6 +91,7 @@ def serve(
         log.info("metrics", url=f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker.request_drain())
+    signal.signal(signal.SIGHUP, lambda *_: broker.request_reload())
     try:
         local.start(broker.backend_endpoint)
         code = broker.run()
