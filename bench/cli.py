@@ -406,6 +406,23 @@ def curve(
 
 
 @bench_app.command()
+def telemetry(
+    pairs: int = typer.Option(100, help="Turn pairs, one turn on each daemon, the order swapped every pair."),
+    max_tokens: int = typer.Option(16, help="Reply length per turn."),
+    output: Path = typer.Option(Path("telemetry.json"), help="Report path."),
+) -> None:
+    """What metrics (scraped every second) and OpenTelemetry traces cost a turn: on vs off, side by side."""
+    from kvmux import logs
+
+    from .telemetry import run
+
+    logs.configure()
+    doc = run(output, pairs=pairs, max_tokens=max_tokens)
+    typer.echo(json.dumps({k: doc[k] for k in ("results", "ratio_on_to_off")}, indent=1))
+    typer.echo(f"report: {output}")
+
+
+@bench_app.command()
 def clients(
     info_calls: int = typer.Option(500, help="Session-info round trips per client and transport."),
     chats: int = typer.Option(5, help="Short chats timed to their first token."),

@@ -8,6 +8,7 @@ parent-death signal, where the platform has one)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -49,9 +50,10 @@ def serve(
     model: str | None = None,
     transport: str = "ipc",
     serve_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
-    """Yield the frontend endpoint of a fresh `kvmux serve` (more options in `serve_args`)."""
-    with daemon(workers=workers, slabs=slabs, model=model, transport=transport, serve_args=serve_args) as d:
+    """Yield the frontend endpoint of a fresh `kvmux serve` (more options in `serve_args`, environment in `env`)."""
+    with daemon(workers=workers, slabs=slabs, model=model, transport=transport, serve_args=serve_args, env=env) as d:
         yield d.frontend
 
 
@@ -63,8 +65,10 @@ def daemon(
     model: str | None = None,
     transport: str = "ipc",
     serve_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[Daemon]:
-    """A fresh `kvmux serve`: its endpoints and the broker's pid."""
+    """A fresh `kvmux serve` (`env`: more environment for it and its
+    workers): its endpoints and the broker's pid."""
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))  # short: ipc paths are limited
     if transport == "ipc":
         frontend, backend = f"ipc://{tmp}/f.ipc", f"ipc://{tmp}/b.ipc"
@@ -84,6 +88,7 @@ def daemon(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=die_with_parent,  # noqa: PLW1509 (it only calls prctl)
+                env={**os.environ, **(env or {})},
             )
         try:
             _wait_ready(proc, admin, workers, log_path)
