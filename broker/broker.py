@@ -547,6 +547,7 @@ class Broker:
             beat = decode_body(Op.HEARTBEAT, body)
             worker.running, worker.draining = beat.running, beat.draining
             worker.drafted, worker.accepted, worker.link_bytes = beat.drafted, beat.accepted, beat.link_bytes
+            worker.prefixes = beat.prefixes
         elif env.op == Op.DISCONNECT:
             self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
         elif env.op == Op.RESTORED:
@@ -819,6 +820,7 @@ class Broker:
                 accepted=w.accepted,
                 link_bytes=w.link_bytes,
                 compute=w.ready.compute,
+                prefixes=w.prefixes,
             )
             for w in reg.workers.values()
         ]

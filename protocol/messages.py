@@ -137,6 +137,10 @@ class OpenSession(_Body):
     # A copy of an existing session (its system prompt, tools, template
     # options, window and sampling defaults; the fields above are then unset).
     fork: Fork | None = None
+    # Shared prefixes (a PrefixMode value): auto (the default: the opening takes the longest
+    # prefix another session computed, and is kept for the next), pin (its prefix is stored
+    # at once and kept past the budget's evictions) or off (neither: prefilled cold).
+    prefix: str | None = None
 
 
 class Append(_Body):
@@ -268,6 +272,16 @@ class StoredSession(msgspec.Struct, kw_only=True, omit_defaults=True):
     marks: dict[str, int] = {}  # its named points (Mark): what Find looks for
 
 
+class PrefixCounts(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A worker's shared prefixes since it started (worker/prefixes.py)."""
+
+    hits: int = 0  # new sessions that restored a prefix
+    misses: int = 0  # new sessions of a block or more that found none
+    tokens: int = 0  # tokens restored instead of prefilled
+    stored: int = 0  # prefixes it wrote to the store
+    bytes: int = 0  # held in its memory now
+
+
 class WorkerReady(_Body):
     model: str
     slabs: int
@@ -295,6 +309,7 @@ class WorkerHeartbeat(_Body):
     drafted: int = 0  # speculative decoding since the worker started: tokens drafted
     accepted: int = 0  # and of them accepted by the verifier
     link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
+    prefixes: PrefixCounts | None = None  # shared prefixes since it started
 
 
 class Disconnect(_Body):
@@ -332,6 +347,7 @@ class Appended(Reply, tag="appended"):
     history_tokens: int
     prefill_s: float
     truncated_tokens: int
+    cached_tokens: int = 0  # of new_tokens, restored from a shared prefix instead of prefilled
 
 
 class Chunk(Reply, tag="chunk"):
@@ -355,6 +371,7 @@ class GenerateResult(Reply, tag="result"):
     accepted_tokens: int = 0  # of them, the ones that stood
     content: str = ""  # the reply's text less its tool calls (set when tools are enabled)
     tool_calls: list[ToolCall] = []  # the calls the reply made (stop_reason tool_calls)
+    cached_tokens: int = 0  # tokens restored from a shared prefix instead of prefilled (not in prompt_tokens)
 
 
 class Marked(Reply, tag="marked"):
@@ -446,6 +463,7 @@ class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     accepted: int = 0  # of them, accepted by the verifier
     link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
     compute: Compute | None = None
+    prefixes: PrefixCounts | None = None  # shared prefixes since it started
 
 
 class Refused(msgspec.Struct, kw_only=True):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvmux import protocol as p
+
 PIPE = "inproc://kvmux-compute"
 
 DRAIN = b"drain"
@@ -41,6 +43,7 @@ class Status(msgspec.Struct, array_like=True):
     drafted: int = 0  # speculative decoding, over the worker's life: tokens drafted
     accepted: int = 0  # and accepted
     link_bytes: int = 0  # a worker group's rank 0: bytes sent to and received from its other ranks
+    prefixes: p.PrefixCounts | None = None  # shared prefixes (worker/prefixes.py)
 
 
 def encode_status(status: Status) -> bytes:

@@ -9,6 +9,8 @@ from kvmux.client import AsyncClient
 
 # A request's pinned session (its client keeps it), and on every answer the session it used.
 SESSION_HEADER = "X-Kvmux-Session"
+# What the session a request opens does with shared prefixes (OpenSession.prefix): pin, off, auto.
+PREFIX_HEADER = "X-Kvmux-Prefix"
 
 
 @dataclass

@@ -40,7 +40,7 @@ from kvmux import protocol as p
 from kvmux.client import errors
 
 from . import auth, schemas, sse
-from .conversation import Chat, Reply, Usage, calls, content, options
+from .conversation import Chat, Reply, Usage, calls, content, options, prefix_mode
 from .errors import RESPONSES, HTTPError, answered, bad
 from .gateway import SESSION_HEADER, Gateway
 
@@ -186,6 +186,7 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
     """The session the response goes into; `req.chat.messages` become what
     it still needs: the input, after the chain's conversation in a new one."""
     owner = auth.owner(gateway, request)
+    prefix = prefix_mode(request)
     if req.previous is not None:
         stored = await _stored(gateway, request, req.previous)
         info = stored.info
@@ -202,7 +203,9 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
             except (errors.Busy, errors.Overloaded) as exc:  # running, or no slab for a copy: prefilled anew
                 log.info("response_branch_prefilled", response=req.previous, why=str(exc))
         req.chat.messages = [*await _conversation(gateway, request, req.previous), *req.input]
-    session = await gateway.client.open_session(req.instructions, client_name=owner, tools=req.chat.tools)
+    session = await gateway.client.open_session(
+        req.instructions, client_name=owner, tools=req.chat.tools, prefix=prefix
+    )
     session.detach()
     return Placed(session, 0, opened=True)
 
@@ -296,7 +299,7 @@ def _text(response: dict) -> str:
 def _usage(counts: Usage) -> dict:
     return {
         "input_tokens": counts.prompt,
-        "input_tokens_details": {"cached_tokens": counts.held},
+        "input_tokens_details": {"cached_tokens": counts.cached},
         "output_tokens": counts.completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": counts.prompt + counts.completion,

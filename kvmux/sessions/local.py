@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .files import atomic_write
+from .prefixes import LocalPrefixes
 from .record import Fenced, SessionRecord, StoreError, encode, is_session_id
 from .store import SessionStore
 
@@ -132,6 +133,9 @@ class LocalStore(SessionStore):
             return sum(p.stat().st_size for p in self.dir(session_id).iterdir())
         except OSError:
             return 0
+
+    def prefixes(self, budget: int) -> LocalPrefixes:
+        return LocalPrefixes(self.root.parent, budget)
 
     def lease(self, holder: str, ttl_s: float) -> str:
         if self._lease is None:

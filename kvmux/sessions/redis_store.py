@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import redis
 
+from .prefixes import RedisPrefixes
 from .record import Fenced, SessionRecord, StoreUnavailable, encode
 from .store import SessionStore
 
@@ -92,6 +93,10 @@ class RedisStore(SessionStore):
         self._save = self.redis.register_script(_SAVE)
         self._lease = self.redis.register_script(_LEASE_SCRIPT)
         self._release = self.redis.register_script(_RELEASE)
+
+    def reachable(self):
+        """A context in which Redis' failures raise StoreUnavailable."""
+        return _reachable(self.store_id)
 
     def exists(self, session_id: str) -> bool:
         with _reachable(self.store_id):
@@ -175,6 +180,9 @@ class RedisStore(SessionStore):
         except StoreUnavailable:
             return 0  # a listing's figure, not worth failing it for
         return sum(int(size or 0) for size in sizes)
+
+    def prefixes(self, budget: int) -> RedisPrefixes:
+        return RedisPrefixes(self, budget)
 
     def lease(self, holder: str, ttl_s: float) -> str:
         with _reachable(self.store_id):

@@ -61,6 +61,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["queue_wait_s", "float", null],
     ["client_name", "str", null],
     ["fork", {"struct": "Fork"}, null],
+    ["prefix", "str", null],
   ]},
   "Append": {"tag": null, "array": false, "fields": [
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
@@ -138,6 +139,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["drafted", "int", 0],
     ["accepted", "int", 0],
     ["link_bytes", "int", 0],
+    ["prefixes", {"struct": "PrefixCounts"}, null],
   ]},
   "Disconnect": {"tag": null, "array": false, "fields": [
     ["reason", "str", ""],
@@ -222,6 +224,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["accepted", "int", 0],
     ["link_bytes", "int", 0],
     ["compute", {"struct": "Compute"}, null],
+    ["prefixes", {"struct": "PrefixCounts"}, null],
   ]},
   "SessionSummary": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
@@ -279,6 +282,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["history_tokens", "int"],
     ["prefill_s", "float"],
     ["truncated_tokens", "int"],
+    ["cached_tokens", "int", 0],
   ]},
   "Chunk": {"tag": "chunk", "array": false, "fields": [
     ["token_ids", {"list": "int"}],
@@ -298,6 +302,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["accepted_tokens", "int", 0],
     ["content", "str", ""],
     ["tool_calls", {"list": {"struct": "ToolCall"}}, []],
+    ["cached_tokens", "int", 0],
   ]},
   "SessionInfo": {"tag": "info", "array": false, "fields": [
     ["session_id", "str"],
@@ -397,6 +402,7 @@ export interface OpenSession {
   queueWaitS?: number;
   clientName?: string;
   fork?: Fork;
+  prefix?: string;
 }
 
 export interface Append {
@@ -491,6 +497,7 @@ export interface WorkerHeartbeat {
   drafted?: number;
   accepted?: number;
   linkBytes?: number;
+  prefixes?: PrefixCounts;
 }
 
 export interface Disconnect {
@@ -584,6 +591,7 @@ export interface WorkerStats {
   accepted?: number;
   linkBytes?: number;
   compute?: Compute;
+  prefixes?: PrefixCounts;
 }
 
 export interface SessionSummary {
@@ -650,6 +658,7 @@ export interface Appended {
   historyTokens: number;
   prefillS: number;
   truncatedTokens: number;
+  cachedTokens?: number;
 }
 
 export interface Chunk {
@@ -673,6 +682,7 @@ export interface GenerateResult {
   acceptedTokens?: number;
   content?: string;
   toolCalls?: ToolCall[];
+  cachedTokens?: number;
 }
 
 export interface SessionInfo {
