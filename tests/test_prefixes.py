@@ -177,6 +177,11 @@ def test_pinned_restarted_corrupt_and_evicted_prefixes(tmp_path):
         assert result.cached_tokens == 0 and again == cold
         assert not path.exists()
         assert any(event.get("key") == blob.key for event in daemon.events("prefix_dropped"))
+    dropped = subprocess.run(
+        kvmux_command("prefix", "drop", "--all", "--state-dir", state), capture_output=True, text=True
+    )
+    assert dropped.returncode == 0 and "dropped 1 prefixes" in dropped.stdout, dropped
+    assert "no shared prefixes stored" in listed(state)
 
 
 @pytest.fixture

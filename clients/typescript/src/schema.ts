@@ -258,6 +258,13 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["layout", "str", ""],
     ["kernel", "str", ""],
   ]},
+  "PrefixCounts": {"tag": null, "array": false, "fields": [
+    ["hits", "int", 0],
+    ["misses", "int", 0],
+    ["tokens", "int", 0],
+    ["stored", "int", 0],
+    ["bytes", "int", 0],
+  ]},
   "StoredSession": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
     ["model", "str"],
@@ -628,6 +635,14 @@ export interface Compute {
   calibrateS?: number;
   layout?: string;
   kernel?: string;
+}
+
+export interface PrefixCounts {
+  hits?: number;
+  misses?: number;
+  tokens?: number;
+  stored?: number;
+  bytes?: number;
 }
 
 export interface StoredSession {
