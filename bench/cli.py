@@ -242,6 +242,35 @@ def peers(
 
 
 @bench_app.command()
+def prefix(
+    conversations: int = typer.Option(
+        10, help="New conversations sharing the opening, on the worker that computed it."
+    ),
+    colds: int = typer.Option(3, help="Cold conversations (X-Kvmux-Prefix: off) interleaved, for the ratio."),
+    others: int = typer.Option(3, help="Conversations after a daemon restart, and on another worker on Redis."),
+    max_tokens: int = typer.Option(8, help="Reply length (greedy)."),
+    model_dir: Path | None = typer.Option(
+        None, help="The mlx-lm directory for mlx_lm.server (default: exported from the embedded GGUF once)."
+    ),
+    output: Path = typer.Option(
+        Path("bench/results/prefix.json"), help="Report path; the plot goes next to it (.png)."
+    ),
+) -> None:
+    """New conversations sharing a long opening: time to first token, kvmux's shared prefixes against the peers'."""
+    from kvmux import logs
+
+    from .peers import default_model_dir
+    from .prefix import PrefixConfig, plot, run
+
+    logs.configure()
+    cfg = PrefixConfig(conversations=conversations, colds=colds, others=others, max_tokens=max_tokens)
+    doc = run(cfg, output, model_dir or default_model_dir())
+    png = plot(doc, output.with_suffix(".png"))
+    typer.echo(json.dumps(doc["summary"], indent=1))
+    typer.echo(f"report: {output}\nplot: {png}")
+
+
+@bench_app.command()
 def agent(
     steps: int = typer.Option(30, help="Requests of the scripted tool loop, per server."),
     max_tokens: int = typer.Option(48, help="Reply length per step (greedy)."),

@@ -66,9 +66,11 @@ def daemon(
     transport: str = "ipc",
     serve_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    state_dir: Path | None = None,
 ) -> Iterator[Daemon]:
     """A fresh `kvmux serve` (`env`: more environment for it and its
-    workers): its endpoints and the broker's pid."""
+    workers): its endpoints and the broker's pid. Its state dir is its own
+    and goes with it, unless `state_dir` names one to keep (a restart's)."""
     tmp = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))  # short: ipc paths are limited
     if transport == "ipc":
         frontend, backend = f"ipc://{tmp}/f.ipc", f"ipc://{tmp}/b.ipc"
@@ -77,7 +79,7 @@ def daemon(
     admin = f"ipc://{tmp}/a.ipc"  # its own: the default one belongs to the user's daemon
     cmd = [sys.executable, "-m", "kvmux.commands.cli", "serve", "--frontend", frontend, "--backend", backend]
     cmd += ["--admin-endpoint", admin]
-    cmd += ["--workers", str(workers), "--slabs", str(slabs), "--state-dir", str(tmp / "state")]
+    cmd += ["--workers", str(workers), "--slabs", str(slabs), "--state-dir", str(state_dir or tmp / "state")]
     cmd += (["--model", model] if model else []) + list(serve_args)
     log_path = tmp / "serve.log"  # its tail goes into the error if the daemon fails to start
     with _terminated_as_interrupted():

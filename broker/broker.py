@@ -633,6 +633,7 @@ class Broker:
             worker.running, worker.draining = beat.running, beat.draining
             worker.drafted, worker.accepted, worker.link_bytes = beat.drafted, beat.accepted, beat.link_bytes
             worker.kv_bytes = beat.kv_bytes
+            worker.prefixes = beat.prefixes
         elif env.op == Op.DISCONNECT:
             self._lose_worker(worker, f"disconnected: {decode_body(Op.DISCONNECT, body).reason or 'clean exit'}")
         elif env.op == Op.RESTORED:
@@ -727,8 +728,10 @@ class Broker:
             self.metrics.prefilled.labels(*labels).inc(reply.prompt_tokens)
             self.metrics.generated.labels(*labels).inc(reply.completion_tokens)
             self.metrics.cached.labels(*labels, "session").inc(reply.reused_tokens)
+            self.metrics.cached.labels(*labels, "prefix").inc(reply.cached_tokens)
         elif isinstance(reply, Appended):
-            self.metrics.prefilled.labels(*labels).inc(reply.new_tokens)
+            self.metrics.prefilled.labels(*labels).inc(reply.new_tokens - reply.cached_tokens)
+            self.metrics.cached.labels(*labels, "prefix").inc(reply.cached_tokens)
 
     def _opened(self, req: Request, ok: bool, env_raw: bytes, body: bytes, now: float) -> tuple[bytes, bytes]:
         if not ok:
@@ -932,6 +935,7 @@ class Broker:
                 link_bytes=w.link_bytes,
                 kv_bytes=w.kv_bytes,
                 compute=w.ready.compute,
+                prefixes=w.prefixes,
             )
             for w in reg.workers.values()
         ]

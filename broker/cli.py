@@ -222,6 +222,13 @@ def format_compute(c) -> str:
     return f"{kernel}{c.blas or c.device}, {c.mode}: {padding}"
 
 
+def format_prefixes(c) -> str:
+    """A worker's shared prefixes: "3 hits 1 miss, 4464 tokens, 135.0 MiB held"."""
+    if c is None or not (c.hits or c.misses or c.bytes):
+        return "-"
+    return f"{c.hits} hits {c.misses} misses, {c.tokens} tokens, {_size(c.bytes)} held"
+
+
 def format_stats(s) -> str:
     """BrokerStats as a short summary and one row per worker."""
     lines = [
@@ -246,6 +253,7 @@ def format_stats(s) -> str:
         "IN FLIGHT",
         "FRAMES",
         "ACCEPTED",
+        "PREFIXES",
         "PASSES",
         "GROUP",
         "SEEN",
@@ -262,6 +270,7 @@ def format_stats(s) -> str:
             str(w.in_flight),
             str(w.frames_forwarded),
             f"{w.accepted}/{w.drafted} ({w.accepted / w.drafted:.0%})" if w.drafted else "-",
+            format_prefixes(w.prefixes),
             format_compute(w.compute),
             f"{w.compute.layout}, {_size(w.link_bytes)} between ranks" if w.compute and w.compute.layout else "-",
             f"{w.last_seen_s:.1f}s ago",

@@ -152,6 +152,26 @@ class _State:
                 "Drafted tokens the verifier accepted since the worker started.",
                 lambda w: w.accepted,
             ),
+            "kvmux_prefix_hits": (
+                CounterMetricFamily,
+                "New sessions that took a shared prefix, since the worker started.",
+                lambda w: w.prefixes.hits if w.prefixes else 0,
+            ),
+            "kvmux_prefix_misses": (
+                CounterMetricFamily,
+                "New sessions' openings of a block or more that found no shared prefix, since the worker started.",
+                lambda w: w.prefixes.misses if w.prefixes else 0,
+            ),
+            "kvmux_prefixes_stored": (
+                CounterMetricFamily,
+                "Shared prefixes the worker wrote to the store, since it started.",
+                lambda w: w.prefixes.stored if w.prefixes else 0,
+            ),
+            "kvmux_prefix_bytes": (
+                GaugeMetricFamily,
+                "Shared prefixes held in the worker's memory.",
+                lambda w: w.prefixes.bytes if w.prefixes else 0,
+            ),
         }
         for name, (family, text, value) in per_worker.items():
             metric = family(name, text, labels=_WORKER)

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvmux.protocol import ErrorCode, Op, SessionOpened, WorkerReady
+from kvmux.protocol import ErrorCode, Op, PrefixCounts, SessionOpened, WorkerReady
 
 # Ids of sessions that ended without the client closing them, kept so a late
 # call learns why (expired vs. worker lost) instead of a bare "not found".
@@ -33,6 +33,7 @@ class WorkerEntry:
     accepted: int = 0
     link_bytes: int = 0  # from its heartbeat: a worker group's traffic between its ranks
     kv_bytes: int = 0  # from its heartbeat: KV cache its live sessions hold
+    prefixes: PrefixCounts | None = None  # from its heartbeat: shared prefixes
     frames_forwarded: int = 0
 
     @property

@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "kvmux.broker.cli",  # serve, stats, drain
     "kvmux.worker.cli",  # worker
     "kvmux.commands.chat",  # chat
+    "kvmux.commands.prefix",  # prefix pin/list/drop
     "kvmux.http.cli",  # http
     "kvmux.commands.doctor",  # doctor
     "kvmux.bench.cli",  # bench ...

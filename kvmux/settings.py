@@ -101,6 +101,22 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             envvar="KVMUX_STORE",
         ),
     ] = ""
+    prefix_min_tokens: Annotated[
+        Count,
+        doc(
+            "Shared prefixes: a new session's opening that shares at least this many tokens with an earlier"
+            " one's is restored from their KV, stored for every worker (0: only pinned prefixes)."
+        ),
+    ] = 512
+    prefix_memory_bytes: Annotated[
+        Count, doc("Bytes of shared prefixes a worker keeps in memory, least recently used dropped first.")
+    ] = 512 << 20
+    prefix_store_bytes: Annotated[
+        Count,
+        doc(
+            "Bytes of shared prefixes kept in the session store, least recently used evicted first, never a pinned one."
+        ),
+    ] = 4 << 30
     heartbeat_s: Annotated[float, msgspec.Meta(ge=0.05), doc("Heartbeat interval between the broker and a worker.")] = (
         HEARTBEAT_INTERVAL_S
     )

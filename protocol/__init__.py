@@ -23,5 +23,13 @@ from .codec import (  # noqa: F401  (the package re-exports its API)
     envelope,
     error_body,
 )
-from .errors import ErrorCode, FormatType, OverloadReason, SpeculativeMode, StopReason, ToolChoice  # noqa: F401
+from .errors import (  # noqa: F401
+    ErrorCode,
+    FormatType,
+    OverloadReason,
+    PrefixMode,
+    SpeculativeMode,
+    StopReason,
+    ToolChoice,
+)
 from .messages import *  # noqa: F403  (the message Structs are the API)

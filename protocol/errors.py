@@ -81,3 +81,11 @@ class SpeculativeMode(_Code):
     OFF = "off"  # a token per pass
     LOOKUP = "lookup"  # the session's history (and, greedy, other sessions' recent replies)
     DRAFT = "draft"  # the worker's draft model (kvmux serve --draft-model)
+
+
+class PrefixMode(_Code):
+    """OpenSession's `prefix` option: what a new session does with shared prefixes."""
+
+    AUTO = "auto"  # take the longest one stored or held; keep the opening for the next session
+    PIN = "pin"  # take one, and store the opening's own prefix at once, kept past evictions
+    OFF = "off"  # neither: the opening is prefilled cold and kept nowhere

@@ -141,6 +141,10 @@ class OpenSession(_Body):
     # options, window and sampling defaults; the fields above are then unset).
     fork: Fork | None = None
     traceparent: str | None = None  # the caller's span, W3C trace context: traces follow the request (kvmux/tracing.py)
+    # Shared prefixes (a PrefixMode value): auto (the default: the opening takes the longest
+    # prefix another session computed, and is kept for the next), pin (its prefix is stored
+    # at once and kept past the budget's evictions) or off (neither: prefilled cold).
+    prefix: str | None = None
 
 
 class Append(_Body):
@@ -277,6 +281,16 @@ class StoredSession(msgspec.Struct, kw_only=True, omit_defaults=True):
     marks: dict[str, int] = {}  # its named points (Mark): what Find looks for
 
 
+class PrefixCounts(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A worker's shared prefixes since it started (worker/prefixes.py)."""
+
+    hits: int = 0  # new sessions that restored a prefix
+    misses: int = 0  # new sessions of a block or more that found none
+    tokens: int = 0  # tokens restored instead of prefilled
+    stored: int = 0  # prefixes it wrote to the store
+    bytes: int = 0  # held in its memory now
+
+
 class WorkerReady(_Body):
     model: str
     slabs: int
@@ -305,6 +319,7 @@ class WorkerHeartbeat(_Body):
     accepted: int = 0  # and of them accepted by the verifier
     link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
     kv_bytes: int = 0  # KV cache its live sessions hold now (their kv_live_bytes summed)
+    prefixes: PrefixCounts | None = None  # shared prefixes since it started
 
 
 class Disconnect(_Body):
@@ -342,6 +357,7 @@ class Appended(Reply, tag="appended"):
     history_tokens: int
     prefill_s: float
     truncated_tokens: int
+    cached_tokens: int = 0  # of new_tokens, restored from a shared prefix instead of prefilled
 
 
 class Chunk(Reply, tag="chunk"):
@@ -366,6 +382,7 @@ class GenerateResult(Reply, tag="result"):
     reused_tokens: int = 0  # history the session held before this call (in its slab, or restored): not prefilled
     content: str = ""  # the reply's text less its tool calls (set when tools are enabled)
     tool_calls: list[ToolCall] = []  # the calls the reply made (stop_reason tool_calls)
+    cached_tokens: int = 0  # tokens restored from a shared prefix instead of prefilled (not in prompt_tokens)
 
 
 class Marked(Reply, tag="marked"):
@@ -458,6 +475,7 @@ class WorkerStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     link_bytes: int = 0  # a worker group: bytes between rank 0 and its other ranks, since it started
     kv_bytes: int = 0  # KV cache its live sessions hold now
     compute: Compute | None = None
+    prefixes: PrefixCounts | None = None  # shared prefixes since it started
 
 
 class Refused(msgspec.Struct, kw_only=True):

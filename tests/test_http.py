@@ -86,7 +86,11 @@ def test_an_edited_earlier_message_forks_and_the_original_branch_is_untouched(ga
         assert kvmux.resume_session(original).info().messages == 6  # 3 turns, none of the fork's
 
 
-def test_a_regenerate_and_an_edited_last_message_rewind_the_same_session(gateway):
+def test_a_regenerate_and_an_edited_last_message_continue_a_copy_and_leave_the_session_as_it_was(gateway):
+    """Resent without its last reply, or with the last message changed, a
+    conversation matches an earlier point of its session: it gets a copy
+    from there (nothing prefilled again), and the session keeps its turns,
+    as it would for another conversation that opened the same way."""
     stack, base = gateway
     client = api(base)
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -94,15 +98,14 @@ def test_a_regenerate_and_an_edited_last_message_rewind_the_same_session(gateway
     history += [{"role": "assistant", "content": text}, {"role": "user", "content": "Name a fruit."}]
     fruit, turn, same = ask(client, history)
     assert same == session
-    again, regenerated, same = ask(client, history)  # resent without its last reply: a regenerate
-    assert same == session and regenerated.prompt_tokens == turn.prompt_tokens and again == fruit
+    again, regenerated, copy = ask(client, history)  # resent without its last reply: a regenerate
+    assert copy != session and regenerated.prompt_tokens == turn.prompt_tokens and again == fruit
     assert regenerated.prompt_tokens - regenerated.prompt_tokens_details.cached_tokens < 10  # not the history again
     edited = [*history[:-1], {"role": "user", "content": "Name an animal."}]
-    _, usage, same = ask(client, edited)  # the last message changed
-    assert same == session and usage.prompt_tokens_details.cached_tokens > 20
+    _, usage, other = ask(client, edited)  # the last message changed
+    assert other not in (session, copy) and usage.prompt_tokens_details.cached_tokens > 20
     with Client(stack.frontend, timeout=60) as kvmux:
-        info = kvmux.resume_session(session).info()
-        assert info.messages == 5  # the regenerated and the edited turns replaced the old ones
+        assert kvmux.resume_session(session).info().messages == 5  # its turns, as they were
 
 
 def test_other_chat_template_kwargs_are_another_conversation(gateway):

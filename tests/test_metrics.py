@@ -157,3 +157,30 @@ def test_refusals_by_reason_and_ready_through_a_drain(stack_factory, tmp_path):
         assert status == 503
         assert body["reasons"] == ["the daemon is draining"]
         assert value(scrape(stack.metrics), "kvmux_draining") == 1
+
+
+def test_a_shared_prefix_is_counted_as_cached_from_the_prefix(shared_stack):
+    system = "You keep the inventory of a lighthouse. " + " ".join(
+        f"Item {i}: shelf {i % 9} holds {i * 3} spare lamps of type L{i}." for i in range(40)
+    )  # an opening past the daemon's prefix_min_tokens (512)
+    before = scrape(shared_stack.metrics)
+    with Client(shared_stack.frontend) as client:
+        results = []
+        for _ in range(2):  # the second session's opening is the first's
+            session = client.open_session(system)
+            stream = session.chat("Which shelf holds item 4?", max_tokens=4)
+            "".join(chunk.text for chunk in stream)
+            results.append(stream.result)
+            session.close()
+    taken = results[1].cached_tokens
+    assert results[0].cached_tokens == 0 and taken >= 512
+    deadline = time.monotonic() + 10  # the hit's count comes with the worker's heartbeat
+    while value(after := scrape(shared_stack.metrics), "kvmux_prefix_hits_total") <= value(
+        before, "kvmux_prefix_hits_total"
+    ):
+        assert time.monotonic() < deadline, "the prefix hit was never counted"
+        time.sleep(0.3)
+    moved = value(after, "kvmux_cached_tokens_total", source="prefix") - value(
+        before, "kvmux_cached_tokens_total", source="prefix"
+    )
+    assert moved == taken

@@ -51,6 +51,7 @@ def test_every_frame_type_has_vectors():
         "TokenLogprob",
         "Logprobs",
         "ToolCallDelta",
+        "PrefixCounts",
     }
     assert {v["value"]["code"] for v in MANIFEST if v["schema"] == "Error"} == {c.value for c in p.ErrorCode}
     assert {v["value"][1] for v in MANIFEST if v["schema"] == "Envelope"} >= {

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvmux import protocol as p
+
 PIPE = "inproc://kvmux-compute"
 
 DRAIN = b"drain"
@@ -42,6 +44,7 @@ class Status(msgspec.Struct, array_like=True):
     accepted: int = 0  # and accepted
     link_bytes: int = 0  # a worker group's rank 0: bytes sent to and received from its other ranks
     kv_bytes: int = 0  # KV cache the live sessions hold (their kv_live_bytes summed)
+    prefixes: p.PrefixCounts | None = None  # shared prefixes (worker/prefixes.py)
 
 
 def encode_status(status: Status) -> bytes:

@@ -70,6 +70,7 @@ class LiveSession(SessionState, kw_only=True, eq=False):
     lookup: Lookup = msgspec.field(default_factory=Lookup)  # follows `history`
     drafting: DraftLength = msgspec.field(default_factory=DraftLength)
     draft: DraftCache | None = None  # the draft model's cache, when the worker has one
+    prefix: str = "auto"  # what its opening does with shared prefixes (OpenSession.prefix)
 
     @property
     def dropped(self) -> int:
@@ -310,19 +311,35 @@ class Engine:
             return forward.forward(self.model, [forward.Segment(tokens, session.slab, rows)], self.floors)[0]
         return self.model(tokens[None], cache=session.slab)[:, -1, :]
 
-    def prefill(self, session: LiveSession, chunk: Callable[[], int]):
+    def prefill(
+        self,
+        session: LiveSession,
+        chunk: Callable[[], int],
+        block: int = 0,
+        at: tuple[int, Callable[[], None]] | None = None,
+    ):
         """Run the session's pending tokens through its slab, `chunk()`
         tokens per step (the scheduler's pace), until done or cancelled.
         What a cancel leaves pending goes in with the next append or
-        generate. Returns whether it was cancelled."""
+        generate. Returns whether it was cancelled. `block`: no chunk
+        crosses a multiple of it (an opening's shared prefixes end there,
+        worker/prefixes.py); `at` (tokens, then): a chunk ends there, and
+        then() is called once the slab holds that many tokens."""
         while session.pending:
-            tokens = session.pending[: chunk()]
+            n = chunk()
+            if block:
+                n = min(n, block - len(session.history) % block)
+            if at is not None and len(session.history) < at[0]:
+                n = min(n, at[0] - len(session.history))
+            tokens = session.pending[:n]
             logits, cancelled = yield Step(session, mx.array(tokens), rows=False)
             mx.eval(logits, [layer.state for layer in session.slab])
             session.logits = logits
             session.history.extend(tokens)
             session.replay.append(len(tokens))
             del session.pending[: len(tokens)]
+            if at is not None and len(session.history) == at[0]:
+                at[1]()
             if cancelled:
                 return True
         return False

@@ -18,6 +18,8 @@ gets those layers' window in its slabs (`windows`, worker/slab.py).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -56,6 +58,7 @@ class LoadedModel:
     quantized: bool  # weights kept quantized (a GPU, or the CPU kernel) or dequantized to float32
     windows: list[int | None]  # per layer: the sliding window it attends within, or None (all it is given)
     kernel: cpu_kernel.Kernel  # what multiplies quantized weights on a CPU
+    digest: str = ""  # of its weights' files (`digest`): what the model is, whatever its name
     stages: object | None = None  # rank 0 of a worker group (group.Stages): the later layers, on the other ranks
 
     @property
@@ -114,6 +117,32 @@ def gguf_tokenizer(path: Path):
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     return tokenizer
+
+
+def digest(path: Path) -> str:
+    """sha256 of a GGUF file, or of an mlx-lm directory's config and
+    weights, cached by their sizes and mtimes (a model of many GB is read
+    once, not at every start)."""
+    files = [path] if path.is_file() else sorted([path / "config.json", *path.glob("*.safetensors")])
+    stamp = hashlib.sha256(
+        "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files).encode()
+    ).hexdigest()
+    cached = paths.cache_dir() / "digests" / stamp
+    with contextlib.suppress(OSError):
+        return cached.read_text()
+    h = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as stream:
+            h.update(f.name.encode())
+            while block := stream.read(1 << 24):
+                h.update(block)
+    value = h.hexdigest()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(value)
+    except OSError as exc:  # a read-only home: computed again next time
+        log.debug("digest_cache_skipped", reason=str(exc))
+    return value
 
 
 def _turn_ends(tokenizer) -> list[int]:
@@ -232,5 +261,11 @@ def load(
     )
     windows = part.windows if part else layer_windows(model)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, model_id=path.name, quantized=quantized, windows=windows, kernel=used
+        model=model,
+        tokenizer=tokenizer,
+        model_id=path.name,
+        quantized=quantized,
+        windows=windows,
+        kernel=used,
+        digest=digest(path),
     )

@@ -15,12 +15,13 @@ from kvmux.sessions import Turn, durable
 from . import fork
 from .engine import Engine, GenerationEnd, LiveSession
 from .job import Job
+from .prefixes import Prefixes
 from .rewind import rewind_to, turn_at
 from .slab import SlabPool
 from .tool_calls import ToolCallStream, message_dict
 
 # OpenSession fields a fork takes from its session instead.
-_FORK_TAKES = ("system", "tools", "chat_template_kwargs", "sink", "window", "sampling")
+_FORK_TAKES = ("system", "tools", "chat_template_kwargs", "sink", "window", "sampling", "prefix")
 
 log = logs.get("worker.requests")
 
@@ -55,12 +56,14 @@ class Requests:
     sessions: dict[str, LiveSession]
     jobs: dict[str, Job]
     draining: bool
+    prefixes: Prefixes | None
 
     def open(self, route: bytes, env: p.Envelope, body: p.OpenSession) -> None:
         if self.draining:
             raise ProtocolError(ErrorCode.OVERLOADED, "worker is draining", reason=p.OverloadReason.DRAINING.value)
         if not env.session_id or env.session_id in self.sessions:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "open needs a new session id")
+        prefix = self.prefix_mode(body.prefix)
         if not self.pool.take():
             raise ProtocolError(ErrorCode.OVERLOADED, "no free slab", reason=p.OverloadReason.NO_SLAB.value)
         try:
@@ -80,6 +83,7 @@ class Requests:
             self.pool.give_back()
             raise
         session.owner = body.client_name or ""
+        session.prefix = prefix
         self.sessions[session.session_id] = session
         try:
             session.epoch = self.claim(session)
@@ -103,6 +107,32 @@ class Requests:
                 slab_bytes=self.engine.slab_bytes(session.sink, session.window),
             ),
         )
+
+    def prefix_mode(self, given: str | None) -> str:
+        """OpenSession.prefix, checked: a PrefixMode value."""
+        try:
+            mode = p.PrefixMode(given or p.PrefixMode.AUTO.value)
+        except ValueError:
+            raise ProtocolError(
+                ErrorCode.INVALID_ARGUMENT, f"prefix must be one of {', '.join(m.value for m in p.PrefixMode)}"
+            ) from None
+        if mode is p.PrefixMode.PIN and (self.prefixes is None or self.prefixes.store is None):
+            raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "prefix=pin: this worker keeps no shared prefixes")
+        return mode.value
+
+    def opening(self, session: LiveSession) -> tuple[int, dict]:
+        """A fresh session's first prefill: the longest shared prefix taken
+        now (worker/prefixes.py); (tokens it restored, what the prefill
+        needs to keep the opening's own)."""
+        if self.prefixes is None or session.history or session.logits is not None:
+            return 0, {}
+        opening = self.prefixes.open(session, session.prefix)
+        if opening is None:
+            return 0, {}
+        options: dict = {"block": self.prefixes.aligned}
+        if opening.end > opening.cached:
+            options["at"] = (opening.end, lambda: self.prefixes.capture(session, opening))
+        return opening.cached, options
 
     def open_fork(self, session_id: str, body: p.OpenSession) -> LiveSession:
         """A copy of the fork's session (worker/fork.py), whose settings it takes."""
@@ -163,11 +193,12 @@ class Requests:
             session.pending.extend(body.token_ids)
             session.raw = True
         new_tokens = len(session.pending)
+        cached, prefill = self.opening(session)
 
         def steps(job: Job):
             started, began = time.perf_counter(), time.time_ns()
-            cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
-            tracing.record("kvmux.prefill", body.traceparent, began, tokens=new_tokens)
+            cancelled = yield from self.engine.prefill(session, self.prefill_chunk, **prefill)
+            tracing.record("kvmux.prefill", body.traceparent, began, tokens=new_tokens, cached_tokens=cached)
             if cancelled or job.cancelled:
                 raise ProtocolError(
                     ErrorCode.CANCELLED,
@@ -180,6 +211,7 @@ class Requests:
                     history_tokens=len(session.history),
                     prefill_s=time.perf_counter() - started,
                     truncated_tokens=session.dropped,
+                    cached_tokens=cached,
                 ),
             )
 
@@ -205,14 +237,22 @@ class Requests:
         if session.logits is None and not session.pending:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
         tools = chat and self.engine.calls_tools(session, params)
+        cached, prefill = self.opening(session)
 
         def steps(job: Job):
             queued, reused = len(session.pending), len(session.history)
             started, began = time.perf_counter(), time.time_ns()
-            cancelled = yield from self.engine.prefill(session, self.prefill_chunk)
+            cancelled = yield from self.engine.prefill(session, self.prefill_chunk, **prefill)
             prefill_s = time.perf_counter() - started
             prompt_tokens = queued - len(session.pending)
-            tracing.record("kvmux.prefill", body.traceparent, began, tokens=prompt_tokens, reused_tokens=reused)
+            tracing.record(
+                "kvmux.prefill",
+                body.traceparent,
+                began,
+                tokens=prompt_tokens,
+                reused_tokens=reused,
+                cached_tokens=cached,
+            )
             decoding, decode_s = GenerationEnd(StopReason.CANCELLED, ""), 0.0
             before = len(session.history)
             if not (cancelled or job.cancelled):
@@ -258,6 +298,7 @@ class Requests:
                     reused_tokens=reused,
                     content=content,
                     tool_calls=calls,
+                    cached_tokens=cached,
                 ),
             )
 

@@ -25,6 +25,7 @@ from .durability import Durability
 from .engine import PREFILL_CHUNK, Engine, LiveSession, NewToken, Step
 from .job import Job
 from .pace import Pace
+from .prefixes import Prefixes
 from .requests import Requests
 from .slab import SlabPool
 
@@ -49,6 +50,7 @@ class Scheduler(Requests, Durability):
     chunk: int = PREFILL_CHUNK  # prefill tokens per step in this round
     pace: Pace = field(default_factory=lambda: Pace(most=PREFILL_CHUNK))
     kv_bytes: tuple[int, float] = (0, 0.0)  # (the live sessions' KV bytes, when summed)
+    prefixes: Prefixes | None = None  # shared prefixes (None: a worker group's, which keeps none)
 
     def send(self, route: bytes, op: str, request_id: int, session_id: str, body) -> None:
         self.pipe.send_multipart([route, p.envelope(op, request_id, session_id), p.encode(body)])
@@ -74,6 +76,7 @@ class Scheduler(Requests, Durability):
             engine.accepted,
             engine.loaded.stages.link.bytes if engine.loaded.stages else 0,
             self.kv_bytes[0],
+            self.prefixes.report() if self.prefixes else None,
         )
         if status != self.reported:
             self.pipe.send_multipart([control.STATUS, control.encode_status(status)])
@@ -160,6 +163,8 @@ class Scheduler(Requests, Durability):
 
     def finish(self, job: Job) -> None:
         self.jobs.pop(job.session.session_id, None)
+        if self.prefixes is not None and self.prefixes.writes:
+            self.prefixes.flush()  # after the reply: its tokens did not wait for the store
         if job.session.session_id not in self.sessions:
             return  # dropped on the way: its placement was superseded (save)
         job.session.last_used = time.monotonic()
@@ -174,6 +179,8 @@ class Scheduler(Requests, Durability):
         the job did: the client never hears of a turn a crash could lose."""
         job.saved = True
         self.save(job.session)
+        if self.prefixes is not None and any(pinned for *_, pinned in self.prefixes.writes):
+            self.prefixes.flush()  # a pin is answered once it is stored
         self.send(job.route, Op.FINAL, job.request_id, job.session.session_id, body)
 
     def start(

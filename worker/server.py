@@ -107,6 +107,7 @@ class Worker:
             from .layout import Part
             from .model import load
             from .padding import compute_info
+            from .prefixes import Prefixes
             from .scheduler import Scheduler
             from .slab import SlabPool
             from .speculative import MAX_DRAFT
@@ -142,8 +143,23 @@ class Worker:
             store = open_store(self.config.store, self.config.state_dir)
             if loaded.stages:
                 store = GroupStore(store, loaded.stages)
+            prefixes = None
+            if not loaded.stages:  # a group's slabs are split between its ranks: no shared prefixes
+                prefixes = Prefixes(
+                    engine,
+                    store.prefixes(self.config.prefix_store_bytes),
+                    self.config.prefix_min_tokens,
+                    self.config.prefix_memory_bytes,
+                    loaded.digest,
+                    exact=self.config.batch_invariant,
+                )
             scheduler = Scheduler(
-                engine=engine, pool=SlabPool(self.config.slabs), worker_id=self.id, pipe=pipe, store=store
+                engine=engine,
+                pool=SlabPool(self.config.slabs),
+                worker_id=self.id,
+                pipe=pipe,
+                store=store,
+                prefixes=prefixes,
             )
             ready = p.WorkerReady(
                 model=loaded.model_id,
@@ -277,6 +293,7 @@ class Worker:
                 accepted=status.accepted,
                 link_bytes=status.link_bytes,
                 kv_bytes=status.kv_bytes,
+                prefixes=status.prefixes,
             ),
         )
         self.next_beat = time.monotonic() + self.config.heartbeat_s

@@ -7,11 +7,14 @@ points. After every reply the session is marked (protocol Mark: the names
 live in its record, and the broker finds a session by them) at its last
 three points: before its last message, before its last reply, and its end.
 A request whose messages extend the end is appended to that session: only
-its new messages are prefilled. A request that resends the conversation
-without its last reply (a regenerate), or with its last message changed,
-finds one of the two points before and rewinds the session there. Anything
-else (a new conversation, or an edited earlier message: a fork) opens a new
-session, and the session the old chain names is left as it was.
+its new messages are prefilled. A request that matches one of the two
+points before (another conversation that opened as this one did, a
+regenerate, the last message changed) gets a copy of the session taken
+back there (OpenSession.fork: nothing prefilled again), and the session
+stays its own conversation's: two conversations are never answered from
+one session. Anything else (a new conversation, or an edited earlier
+message) opens a new session, which takes what it shares with other
+openings from the worker's shared prefixes (worker/prefixes.py).
 
 The names are the daemon's, not the gateway's: a gateway restarted, or
 another one in front of the same daemon, finds the same sessions. A
@@ -55,11 +58,12 @@ class Bound:
 _STALE = (p.ErrorCode.SESSION_NOT_FOUND, p.ErrorCode.SESSION_EXPIRED, p.ErrorCode.SESSION_CORRUPT)
 
 
-async def claim(client: AsyncClient, messages: list[dict], context: dict | None):
-    """The session that holds the longest prefix of `messages`, rewound
-    first where the prefix ends before its last reply or message, with the
-    messages it still needs: (session, Bound, new messages); None when no
-    session holds any, or the one that did is gone, busy or cannot go back."""
+async def claim(client: AsyncClient, messages: list[dict], context: dict | None, owner: str = ""):
+    """The session that holds the longest prefix of `messages` (a copy of
+    it, for `owner`, where the prefix ends before its last reply or
+    message), with the messages it still needs: (session, Bound, new
+    messages); None when no session holds any, or the one that did is gone,
+    busy or cannot go back."""
     hashes = chain(messages, context)
     found = await client.find(reversed(hashes))  # the longest first
     if found is None:
@@ -73,9 +77,12 @@ async def claim(client: AsyncClient, messages: list[dict], context: dict | None)
         if at is None or info.busy:  # the name went with a rewind; or another request is on it now
             return None
         bound = Bound(session.id, info.history_tokens - info.pending_tokens, names=list(info.marks))
-        if at < info.messages:  # a regenerate or an edited last message: back to that turn
-            bound.held = (await session.rewind(at)).kept_tokens
-            bound.names = [name for name, point in info.marks.items() if point <= at]
+        if at < info.messages:  # an earlier point of its conversation: a copy from there
+            session = await client.open_session(
+                None, client_name=owner, fork=p.Fork(session_id=session.id, messages=at)
+            )
+            forked = await session.info()
+            bound = Bound(session.id, forked.history_tokens - forked.pending_tokens)
         elif held == len(messages):
             return None  # nothing new to reply to
         return session, bound, messages[held:]

@@ -73,7 +73,7 @@ def usage(counts: Usage) -> dict:
         "prompt_tokens": counts.prompt,
         "completion_tokens": counts.completion,
         "total_tokens": counts.prompt + counts.completion,
-        "prompt_tokens_details": {"cached_tokens": counts.held},
+        "prompt_tokens_details": {"cached_tokens": counts.cached},
     }
 
 

@@ -18,7 +18,8 @@ from kvmux.client import errors
 
 from . import auth, binding
 from .binding import Bound
-from .gateway import SESSION_HEADER, Gateway
+from .errors import bad
+from .gateway import PREFIX_HEADER, SESSION_HEADER, Gateway
 
 log = logs.get("http")
 
@@ -61,6 +62,7 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
     the way out."""
     chat.owner = auth.owner(gateway, request)
     auth.prioritize(gateway, request, chat.options)
+    prefix = prefix_mode(request)
     client = gateway.client
     pinned = request.headers.get(SESSION_HEADER)  # another key's was refused on the way in (auth.Auth)
     if pinned:
@@ -68,7 +70,7 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
         last = max((i for i, m in enumerate(chat.messages) if m["role"] == "assistant"), default=-1)
         found = session, Bound(session.id, 0, pinned=True), chat.messages[last + 1 :]
     else:
-        found = await binding.claim(client, chat.messages, chat.context)
+        found = await binding.claim(client, chat.messages, chat.context, chat.owner)
     if found is None:
         messages = chat.messages
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
@@ -78,10 +80,20 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
             chat_template_kwargs=chat.template_kwargs,
             tools=chat.tools,
             priority=chat.options.get("priority"),
+            prefix=prefix,
         )
         found = session, Bound(session.id, 0), messages[1:] if system is not None else messages
     found[0].detach()
     return found
+
+
+def prefix_mode(request: Request) -> str | None:
+    """The request's X-Kvmux-Prefix (OpenSession.prefix for the session it
+    opens: pin its opening, or off), checked."""
+    mode = request.headers.get(PREFIX_HEADER)
+    if mode is not None and mode not in {m.value for m in p.PrefixMode}:
+        raise bad(f"{PREFIX_HEADER} must be one of {', '.join(m.value for m in p.PrefixMode)}", PREFIX_HEADER)
+    return mode
 
 
 @dataclass(frozen=True)
@@ -89,10 +101,16 @@ class Usage:
     held: int  # tokens the session held before: reused
     prefilled: int
     completion: int
+    restored: int = 0  # tokens a new session took from a shared prefix instead of prefilling them
+
+    @property
+    def cached(self) -> int:
+        """The prompt's tokens not prefilled: what every API reports as cached."""
+        return self.held + self.restored
 
     @property
     def prompt(self) -> int:
-        return self.held + self.prefilled
+        return self.cached + self.prefilled
 
 
 @dataclass
@@ -125,7 +143,7 @@ class Reply:
             async for chunk in self.stream:
                 yield chunk
         usage = self.usage
-        self.ended(self.first_s, usage.held, usage.prefilled, usage.completion)
+        self.ended(self.first_s, usage.held, usage.restored, usage.prefilled, usage.completion)
 
     @property
     def result(self) -> p.GenerateResult:
@@ -134,7 +152,7 @@ class Reply:
     @property
     def usage(self) -> Usage:
         result = self.result
-        return Usage(self.held, result.prompt_tokens, result.completion_tokens)
+        return Usage(self.held, result.prompt_tokens, result.completion_tokens, result.cached_tokens)
 
 
 def content(text: str, result: p.GenerateResult) -> str:
@@ -153,7 +171,7 @@ async def rebind(session, chat: Chat, bound: Bound, text: str, result: p.Generat
     under the reply as the client will send it back (its calls too)."""
     if str(result.stop_reason) == "cancelled" or bound.pinned:
         return  # a partial reply: no client will send it back as it is; a pinned session is its client's
-    bound.held += result.prompt_tokens + result.completion_tokens
+    bound.held += result.cached_tokens + result.prompt_tokens + result.completion_tokens
     reply = {"role": "assistant", "content": text}
     if result.tool_calls:
         reply["tool_calls"] = calls(result)

@@ -12,6 +12,8 @@ from .metrics import GatewayMetrics
 
 # A request's pinned session (its client keeps it), and on every answer the session it used.
 SESSION_HEADER = "X-Kvmux-Session"
+# What the session a request opens does with shared prefixes (OpenSession.prefix): pin, off, auto.
+PREFIX_HEADER = "X-Kvmux-Prefix"
 
 
 @dataclass

@@ -95,11 +95,11 @@ def chat_of(body: schemas.AnthropicMessages) -> Chat:
 
 def usage(counts: Usage) -> dict:
     """input_tokens are those prefilled, as Anthropic counts them: the
-    tokens the session held are cache reads."""
+    tokens the session held, or took from a shared prefix, are cache reads."""
     return {
         "input_tokens": counts.prefilled,
         "output_tokens": counts.completion,
-        "cache_read_input_tokens": counts.held,
+        "cache_read_input_tokens": counts.cached,
     }
 
 

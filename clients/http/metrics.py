@@ -54,8 +54,9 @@ class GatewayMetrics:
         self.prefilled = Counter("kvmux_http_prefilled_tokens", "Prompt tokens prefilled.", ["api"], registry=r)
         self.cached = Counter(
             "kvmux_http_cached_tokens",
-            "Prompt tokens the conversation's session held already (usage's cached_tokens): not prefilled.",
-            ["api"],
+            "Prompt tokens not prefilled (usage's cached_tokens), by where they came from: session (its"
+            " conversation's session held them) or prefix (a new session took them from a shared prefix).",
+            ["api", "source"],
             registry=r,
         )
         self.generated = Counter("kvmux_http_generated_tokens", "Tokens generated.", ["api"], registry=r)
@@ -64,12 +65,15 @@ class GatewayMetrics:
         """What a reply of `api` calls when it has streamed to its end (`replied`'s other arguments)."""
         return functools.partial(self.replied, api)
 
-    def replied(self, api: str, first_s: float | None, held: int, prefilled: int, completion: int) -> None:
+    def replied(
+        self, api: str, first_s: float | None, held: int, restored: int, prefilled: int, completion: int
+    ) -> None:
         """A reply streamed to its end: its first token `first_s` after its
         generate was sent (None: no token), and its usage's tokens."""
         if first_s is not None:
             self.ttft.labels(api).observe(first_s)
-        self.cached.labels(api).inc(held)
+        self.cached.labels(api, "session").inc(held)
+        self.cached.labels(api, "prefix").inc(restored)
         self.prefilled.labels(api).inc(prefilled)
         self.generated.labels(api).inc(completion)
 

@@ -40,7 +40,7 @@ from kvmux import protocol as p
 from kvmux.client import errors
 
 from . import auth, schemas, sse
-from .conversation import Chat, Reply, Usage, calls, content, options
+from .conversation import Chat, Reply, Usage, calls, content, options, prefix_mode
 from .errors import RESPONSES, HTTPError, answered, bad
 from .gateway import SESSION_HEADER, Gateway
 
@@ -187,6 +187,7 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
     """The session the response goes into; `req.chat.messages` become what
     it still needs: the input, after the chain's conversation in a new one."""
     owner = auth.owner(gateway, request)
+    prefix = prefix_mode(request)
     if req.previous is not None:
         stored = await _stored(gateway, request, req.previous)
         info = stored.info
@@ -204,7 +205,11 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
                 log.info("response_branch_prefilled", response=req.previous, why=str(exc))
         req.chat.messages = [*await _conversation(gateway, request, req.previous), *req.input]
     session = await gateway.client.open_session(
-        req.instructions, client_name=owner, tools=req.chat.tools, priority=req.chat.options.get("priority")
+        req.instructions,
+        client_name=owner,
+        tools=req.chat.tools,
+        prefix=prefix,
+        priority=req.chat.options.get("priority"),
     )
     session.detach()
     return Placed(session, 0, opened=True)
@@ -299,7 +304,7 @@ def _text(response: dict) -> str:
 def _usage(counts: Usage) -> dict:
     return {
         "input_tokens": counts.prompt,
-        "input_tokens_details": {"cached_tokens": counts.held},
+        "input_tokens_details": {"cached_tokens": counts.cached},
         "output_tokens": counts.completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": counts.prompt + counts.completion,

@@ -174,7 +174,7 @@ class Client(core.ClientCore):
         defaults (max_tokens, temperature, top_p, top_k, seed, stop, speculative, or
         `sampling=`), chat_template_kwargs (variables for the model's chat
         template, e.g. {"enable_thinking": False}), admission, queue_wait_s,
-        client_name."""
+        client_name, prefix (shared prefixes: "auto", "pin" or "off")."""
         return self._run(self._open(system, timeout, options))
 
     def resume_session(self, session_id: str, *, timeout: float | None = None) -> Session:

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .files import atomic_write
+from .prefixes import LocalPrefixes
 from .record import Fenced, SessionRecord, StoreError, StoreFull, encode, is_session_id
 from .store import SessionStore
 
@@ -193,6 +194,9 @@ class LocalStore(SessionStore):
             os.pwrite(fd, str(total).encode().ljust(_BYTES_WIDTH), 0)
         finally:
             os.close(fd)
+
+    def prefixes(self, budget: int) -> LocalPrefixes:
+        return LocalPrefixes(self.root.parent, budget)
 
     def lease(self, holder: str, ttl_s: float) -> str:
         if self._lease is None:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 import redis
 
+from .prefixes import RedisPrefixes
 from .record import Fenced, SessionRecord, StoreFull, StoreUnavailable, encode
 from .store import SessionStore
 
@@ -107,6 +108,10 @@ class RedisStore(SessionStore):
         self._lease = self.redis.register_script(_LEASE_SCRIPT)
         self._release = self.redis.register_script(_RELEASE)
         self._add = self.redis.register_script(_COUNT)
+
+    def reachable(self):
+        """A context in which Redis' failures raise StoreUnavailable."""
+        return _reachable(self.store_id)
 
     def exists(self, session_id: str) -> bool:
         with _reachable(self.store_id):
@@ -226,6 +231,9 @@ class RedisStore(SessionStore):
         if change:
             with contextlib.suppress(StoreUnavailable, StoreFull), _reachable(self.store_id):
                 self._add(keys=[_BYTES], args=[change])
+
+    def prefixes(self, budget: int) -> RedisPrefixes:
+        return RedisPrefixes(self, budget)
 
     def lease(self, holder: str, ttl_s: float) -> str:
         with _reachable(self.store_id):

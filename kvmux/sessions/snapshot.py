@@ -13,6 +13,7 @@ module reads and sets only the fields they share with it.
 
 from __future__ import annotations
 
+import io
 import json
 import tempfile
 import time
@@ -61,12 +62,9 @@ def to_bytes(slab: list, logits: mx.array | None) -> bytes:
 
 
 def from_bytes(data: bytes, snapshot: str, slab: list) -> tuple[list, mx.array | None]:
-    """`load` of a snapshot's bytes."""
-    with tempfile.TemporaryDirectory(prefix="kvmux-snap-") as tmp:
-        path = Path(tmp) / snapshot
-        path.write_bytes(data)
-        slab, logits = load(path, slab)
-        mx.eval([layer.state for layer in slab], [] if logits is None else logits)  # read the file before it goes
+    """`load` of a snapshot's bytes (read from memory: no file)."""
+    slab, logits = load(io.BytesIO(data), slab, snapshot)
+    mx.eval([layer.state for layer in slab], [] if logits is None else logits)
     return slab, logits
 
 
@@ -82,20 +80,22 @@ def _arrays(slab: list, logits: mx.array | None) -> tuple[dict[str, mx.array], d
     return arrays, {"positions": json.dumps(positions), "layers": str(len(slab)), "slots": str(slab[0].max_size)}
 
 
-def load(path: Path, slab: list) -> tuple[list, mx.array | None]:
+def load(path: Path | io.BytesIO, slab: list, name: str = "") -> tuple[list, mx.array | None]:
     """`slab` (empty, as the session's settings make it) filled from the
-    snapshot at `path`, and the logits saved with it; raises ValueError when
-    the file does not hold a snapshot of that shape."""
+    snapshot at `path` (or in a buffer, called `name`), and the logits
+    saved with it; raises ValueError when it does not hold a snapshot of
+    that shape."""
+    source, name = (path, name) if isinstance(path, io.BytesIO) else (str(path), path.name)
     try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
+        arrays, meta = mx.load(source, format="safetensors", return_metadata=True)
         positions = json.loads(meta["positions"])
     except Exception as exc:  # mx.load raises RuntimeError/ValueError on a bad file
-        raise ValueError(f"unreadable slab snapshot {path.name}: {exc}") from None
+        raise ValueError(f"unreadable slab snapshot {name}: {exc}") from None
     if len(positions) != len(slab):
-        raise ValueError(f"slab snapshot {path.name} has {len(positions)} layers, the model {len(slab)}")
+        raise ValueError(f"slab snapshot {name} has {len(positions)} layers, the model {len(slab)}")
     slots = int(meta.get("slots", slab[0].keep + slab[0].window))  # written before slabs had spare slots
     if slots != slab[0].max_size:
-        raise ValueError(f"slab snapshot {path.name} has {slots} slots, this worker's slab {slab[0].max_size}")
+        raise ValueError(f"slab snapshot {name} has {slots} slots, this worker's slab {slab[0].max_size}")
     for i, (layer, (offset, idx)) in enumerate(zip(slab, positions, strict=True)):
         if f"{i}.keys" in arrays:
             layer.keys, layer.values = arrays[f"{i}.keys"], arrays[f"{i}.values"]

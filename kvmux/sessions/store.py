@@ -38,6 +38,8 @@ from .record import RecordHead, SessionRecord, StoreError, decode_head, decode_r
 if TYPE_CHECKING:
     import mlx.core as mx
 
+    from .prefixes import PrefixStore
+
 
 class SessionStore(abc.ABC):
     store_id: str  # equal for every process that sees the same records
@@ -111,6 +113,11 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     def bytes_stored(self, session_id: str) -> int:
         """What the session takes in the store (record and snapshots)."""
+
+    def prefixes(self, budget: int) -> PrefixStore | None:
+        """The shared prefixes kept beside these sessions, under `budget`
+        bytes (prefixes.py); None where this store keeps none."""
+        return None
 
     @abc.abstractmethod
     def bytes_total(self) -> int:

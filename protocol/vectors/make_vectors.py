@@ -50,6 +50,7 @@ SCHEMAS: dict[str, type] = {
     "Refused": p.Refused,
     "Endpoint": p.Endpoint,
     "Compute": p.Compute,
+    "PrefixCounts": p.PrefixCounts,
     "StoredSession": p.StoredSession,
     **{t.__name__: t for t in p.ReplyBody.__args__},
 }
@@ -531,6 +532,7 @@ CASES: list[tuple[str, Any]] = [
                 worker_stats(
                     worker_id="w-2",
                     host="日本",
+                    prefixes=p.PrefixCounts(hits=9, misses=1, tokens=13392, stored=1, bytes=70778880),
                     compute=p.Compute(
                         device="Device(cpu, 0)",
                         blas="OpenBLAS Haswell",

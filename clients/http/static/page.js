@@ -607,6 +607,10 @@
 
   function renderDashboard({ broker, gateway, workers_gone }) {
     const refused = broker.refused.reduce((sum, r) => sum + r.count, 0);
+    const prefixes = broker.workers.reduce(
+      (sum, w) => ({ hits: sum.hits + (w.prefixes?.hits ?? 0), misses: sum.misses + (w.prefixes?.misses ?? 0), bytes: sum.bytes + (w.prefixes?.bytes ?? 0) }),
+      { hits: 0, misses: 0, bytes: 0 },
+    );
     $("cards").replaceChildren(
       card("workers", broker.workers.length, `workers${workers_gone ? ` (${workers_gone} gone since the gateway started)` : ""}`),
       card("slabs", `${broker.slabs_used} / ${broker.slabs_total}`, "slabs used / total"),
@@ -618,6 +622,7 @@
       card("refused", count(refused), `refused of ${count(broker.admitted + refused)} asked`),
       card("restores", count(broker.restores), `restores · p50 ${(broker.restore_p50_s * 1000).toFixed(0)} ms`),
       card("store", bytes(broker.store_bytes), "in the session store"),
+      card("prefixes", `${count(prefixes.hits)} / ${count(prefixes.hits + prefixes.misses)}`, `shared prefix hits / new openings · ${bytes(prefixes.bytes)} held`),
       card("uptime", duration(broker.uptime_s), broker.draining ? "broker up · draining" : "broker up"),
     );
     const rows = broker.workers.map((w) => {

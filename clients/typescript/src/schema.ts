@@ -62,6 +62,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["client_name", "str", null],
     ["fork", {"struct": "Fork"}, null],
     ["traceparent", "str", null],
+    ["prefix", "str", null],
   ]},
   "Append": {"tag": null, "array": false, "fields": [
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
@@ -145,6 +146,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["accepted", "int", 0],
     ["link_bytes", "int", 0],
     ["kv_bytes", "int", 0],
+    ["prefixes", {"struct": "PrefixCounts"}, null],
   ]},
   "Disconnect": {"tag": null, "array": false, "fields": [
     ["reason", "str", ""],
@@ -231,6 +233,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["link_bytes", "int", 0],
     ["kv_bytes", "int", 0],
     ["compute", {"struct": "Compute"}, null],
+    ["prefixes", {"struct": "PrefixCounts"}, null],
   ]},
   "SessionSummary": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
@@ -264,6 +267,13 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["layout", "str", ""],
     ["kernel", "str", ""],
   ]},
+  "PrefixCounts": {"tag": null, "array": false, "fields": [
+    ["hits", "int", 0],
+    ["misses", "int", 0],
+    ["tokens", "int", 0],
+    ["stored", "int", 0],
+    ["bytes", "int", 0],
+  ]},
   "StoredSession": {"tag": null, "array": false, "fields": [
     ["session_id", "str"],
     ["model", "str"],
@@ -288,6 +298,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["history_tokens", "int"],
     ["prefill_s", "float"],
     ["truncated_tokens", "int"],
+    ["cached_tokens", "int", 0],
   ]},
   "Chunk": {"tag": "chunk", "array": false, "fields": [
     ["token_ids", {"list": "int"}],
@@ -308,6 +319,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["reused_tokens", "int", 0],
     ["content", "str", ""],
     ["tool_calls", {"list": {"struct": "ToolCall"}}, []],
+    ["cached_tokens", "int", 0],
   ]},
   "SessionInfo": {"tag": "info", "array": false, "fields": [
     ["session_id", "str"],
@@ -409,6 +421,7 @@ export interface OpenSession {
   clientName?: string;
   fork?: Fork;
   traceparent?: string;
+  prefix?: string;
 }
 
 export interface Append {
@@ -509,6 +522,7 @@ export interface WorkerHeartbeat {
   accepted?: number;
   linkBytes?: number;
   kvBytes?: number;
+  prefixes?: PrefixCounts;
 }
 
 export interface Disconnect {
@@ -604,6 +618,7 @@ export interface WorkerStats {
   linkBytes?: number;
   kvBytes?: number;
   compute?: Compute;
+  prefixes?: PrefixCounts;
 }
 
 export interface SessionSummary {
@@ -642,6 +657,14 @@ export interface Compute {
   kernel?: string;
 }
 
+export interface PrefixCounts {
+  hits?: number;
+  misses?: number;
+  tokens?: number;
+  stored?: number;
+  bytes?: number;
+}
+
 export interface StoredSession {
   sessionId: string;
   model: string;
@@ -670,6 +693,7 @@ export interface Appended {
   historyTokens: number;
   prefillS: number;
   truncatedTokens: number;
+  cachedTokens?: number;
 }
 
 export interface Chunk {
@@ -694,6 +718,7 @@ export interface GenerateResult {
   reusedTokens?: number;
   content?: string;
   toolCalls?: ToolCall[];
+  cachedTokens?: number;
 }
 
 export interface SessionInfo {

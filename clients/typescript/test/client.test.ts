@@ -69,6 +69,22 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
     await session.close();
   });
 
+  test("a pinned opening is taken by the next session that starts with it", async () => {
+    const rules = Array.from({ length: 8 }, (_, i) => `Rule ${i}: answer questions about shelf ${i} in at most ${i + 3} words.`);
+    const system = `You are the assistant of a hardware shop. ${rules.join(" ")}`;
+    const pinned = await client.openSession({ system, prefix: "pin", maxTokens: 2 });
+    const first = pinned.chat("Hello.");
+    await collect(first);
+    assert.equal(first.result?.cachedTokens ?? 0, 0);
+    await pinned.close();
+    const session = await client.openSession({ system, maxTokens: 2 });
+    const second = session.chat("What is on shelf 3?");
+    await collect(second);
+    assert.ok((second.result?.cachedTokens ?? 0) >= 16, JSON.stringify(second.result));
+    await session.close();
+    await assert.rejects(client.openSession({ system, prefix: "sometimes" }), InvalidArgument);
+  });
+
   test("speculative decoding: lookup drafts give the tokens `off` gives", async () => {
     const text = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog.";
     const replies = [];

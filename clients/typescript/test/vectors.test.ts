@@ -34,7 +34,7 @@ test("the manifest covers every schema with a wire form", () => {
   for (const name of Object.keys(SCHEMAS)) {
     // nested-only structs are covered inside the replies that carry them
     const nested = ["ChatMessage", "Sampling", "WorkerStats", "SessionSummary", "Refused", "Endpoint",
-      "ToolCall", "Tool", "NamedTool", "Format", "Fork", "TokenLogprob", "Logprobs", "ToolCallDelta"];
+      "ToolCall", "Tool", "NamedTool", "Format", "Fork", "TokenLogprob", "Logprobs", "ToolCallDelta", "PrefixCounts"];
     if (!nested.includes(name)) assert.ok(covered.has(name), name);
   }
   assert.deepEqual(Object.keys(ERRORS).sort(), [...ERROR_CODES].sort());
