@@ -39,6 +39,7 @@ class Pending:
     env_raw: bytes = b""  # its request's envelope, forwarded untouched
     store: str | None = None  # the store its record is in: only workers reading it may restore it
     prefer: WorkerEntry | None = None  # a fork's: the worker holding its session, when it has a slab
+    opening: str | None = None  # an OPEN's opening (broker/openings.py): its worker is preferred
 
     @property
     def is_open(self) -> bool:

@@ -218,3 +218,21 @@ def test_prefix_options_are_checked(shared_stack):
         with pytest.raises(Exception, match="a fork takes its session's settings: prefix"):
             session.fork(prefix="off")
         session.close()
+
+
+@pytest.mark.stack
+def test_a_session_that_opens_as_an_earlier_one_goes_to_its_worker(stack_factory):
+    """The broker places a new session beside the sessions that opened as it
+    does (the worker holds their prefix in memory), even where another
+    worker has more free slabs."""
+    stack = stack_factory(workers=2, slabs=3, worker_args=SMALL)
+    with Client(stack.frontend) as client:
+        first = client.open_session(SYSTEM, tools=TOOLS)
+        list(first.chat("Hello!", max_tokens=4))
+        second = client.open_session(SYSTEM, tools=TOOLS)  # its worker has 2 free slabs, the other 3
+        assert second.opened.worker_id == first.opened.worker_id
+        stream = second.chat("Hi there!", max_tokens=4)
+        list(stream)
+        assert stream.result.cached_tokens >= 256
+        other = client.open_session(OTHER_SYSTEM, tools=TOOLS)
+        assert other.opened.worker_id != first.opened.worker_id  # nothing to prefer: the most free slabs
