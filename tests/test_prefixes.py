@@ -236,3 +236,21 @@ def test_a_session_that_opens_as_an_earlier_one_goes_to_its_worker(stack_factory
         assert stream.result.cached_tokens >= 256
         other = client.open_session(OTHER_SYSTEM, tools=TOOLS)
         assert other.opened.worker_id != first.opened.worker_id  # nothing to prefer: the most free slabs
+
+
+def test_the_gateway_pins_an_opening_by_header_and_refuses_a_bad_one(base):
+    """X-Kvmux-Prefix: pin on a conversation's first request stores its
+    opening at once: the next conversation takes it, on first use."""
+    openai = api(base)
+    system = "You answer questions about the tide tables of a small harbour. " + " ".join(
+        f"Table {i} lists high water at {i % 12 + 1} o'clock." for i in range(12)
+    )
+
+    def first(question: str, **headers):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return openai.chat.completions.create(model="kvmux", messages=messages, max_tokens=4, extra_headers=headers)
+
+    assert first("When is high water?", **{"X-Kvmux-Prefix": "pin"}).usage.prompt_tokens_details.cached_tokens == 0
+    assert first("And low water?").usage.prompt_tokens_details.cached_tokens >= 64
+    with pytest.raises(Exception, match="X-Kvmux-Prefix must be one of auto, pin, off"):
+        first("Anything?", **{"X-Kvmux-Prefix": "always"})
