@@ -44,6 +44,7 @@ class Pending:
     prefer: WorkerEntry | None = None  # a fork's: the worker holding its session, when it has a slab
     priority: int = 0  # Sampling.priority: the queue serves higher first
     traceparent: str | None = None  # its request's trace, while the broker traces (kvmux/tracing.py)
+    opening: str | None = None  # an OPEN's opening (broker/openings.py): its worker is preferred
 
     @property
     def is_open(self) -> bool:

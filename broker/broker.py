@@ -67,6 +67,7 @@ from .config import BrokerConfig
 from .heap import HeapTrimmer
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .openings import Openings
 from .outbox import ADMIN, Outbox, Sent
 from .registry import Registry, Request, SessionEntry, State, WorkerEntry
 
@@ -143,6 +144,7 @@ class Broker:
         self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.registry = Registry()
         self.admission = Admission(cfg)
+        self.openings = Openings()
         self.outbox = Outbox(
             self.frontend, self.admin, self.backend, cfg.client_backlog, self._client_gone, self._overrun
         )
@@ -406,6 +408,9 @@ class Broker:
             if source is None or source.ending is not None or not frame.owns(source):
                 raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {request.fork.session_id} to fork")
             pending.store, pending.prefer = source.store, source.worker
+        else:  # beside the sessions that opened as it does: the worker holds that opening's prefix
+            pending.opening = self.openings.key(request)
+            pending.prefer = self.openings.worker(pending.opening)
         self.place(pending, request, frame.now)
 
     def place(self, pending: Pending, request, now: float) -> None:
@@ -425,6 +430,7 @@ class Broker:
         if pending.is_open:
             session_id = uuid.uuid4().hex
             self.admission.admitted += 1
+            self.openings.placed(pending.opening, worker)
             req = self.registry.track(pending.route, pending.request_id, Op.OPEN, worker, session_id, pending.owner)
             req.priority = pending.priority
             self.to_worker(worker, pending.route, envelope(Op.OPEN, pending.request_id, session_id), pending.body)

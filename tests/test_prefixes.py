@@ -94,7 +94,7 @@ def test_ten_conversations_through_the_gateway_share_their_opening_and_keep_thei
             assert reply.usage.prompt_tokens > cached[-1]
         assert cached[0] == 0
         assert all(c >= 256 and c % 128 == 0 for c in cached[1:]), cached
-        for question, text in zip(questions[::3], texts[::3], strict=True):
+        for question, text in zip(questions, texts, strict=True):
             session = client.open_session(SYSTEM, tools=TOOLS, prefix="off")
             stream = session.chat(question, max_tokens=12)
             streamed = "".join(chunk.text for chunk in stream)
@@ -218,3 +218,39 @@ def test_prefix_options_are_checked(shared_stack):
         with pytest.raises(Exception, match="a fork takes its session's settings: prefix"):
             session.fork(prefix="off")
         session.close()
+
+
+@pytest.mark.stack
+def test_a_session_that_opens_as_an_earlier_one_goes_to_its_worker(stack_factory):
+    """The broker places a new session beside the sessions that opened as it
+    does (the worker holds their prefix in memory), even where another
+    worker has more free slabs."""
+    stack = stack_factory(workers=2, slabs=3, worker_args=SMALL)
+    with Client(stack.frontend) as client:
+        first = client.open_session(SYSTEM, tools=TOOLS)
+        list(first.chat("Hello!", max_tokens=4))
+        second = client.open_session(SYSTEM, tools=TOOLS)  # its worker has 2 free slabs, the other 3
+        assert second.opened.worker_id == first.opened.worker_id
+        stream = second.chat("Hi there!", max_tokens=4)
+        list(stream)
+        assert stream.result.cached_tokens >= 256
+        other = client.open_session(OTHER_SYSTEM, tools=TOOLS)
+        assert other.opened.worker_id != first.opened.worker_id  # nothing to prefer: the most free slabs
+
+
+def test_the_gateway_pins_an_opening_by_header_and_refuses_a_bad_one(base):
+    """X-Kvmux-Prefix: pin on a conversation's first request stores its
+    opening at once: the next conversation takes it, on first use."""
+    openai = api(base)
+    system = "You answer questions about the tide tables of a small harbour. " + " ".join(
+        f"Table {i} lists high water at {i % 12 + 1} o'clock." for i in range(12)
+    )
+
+    def first(question: str, **headers):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return openai.chat.completions.create(model="kvmux", messages=messages, max_tokens=4, extra_headers=headers)
+
+    assert first("When is high water?", **{"X-Kvmux-Prefix": "pin"}).usage.prompt_tokens_details.cached_tokens == 0
+    assert first("And low water?").usage.prompt_tokens_details.cached_tokens >= 64
+    with pytest.raises(Exception, match="X-Kvmux-Prefix must be one of auto, pin, off"):
+        first("Anything?", **{"X-Kvmux-Prefix": "always"})

@@ -119,6 +119,7 @@ class Prefixes:
         family = "kernel" if loaded.kernel.isa is not None else "float32"
         self.identity = f"kvmux-prefix-1|{digest}|{loaded.layout}|{family}|{self.block}"
         self.hot: OrderedDict[str, tuple[Held, int]] = OrderedDict()  # key -> copy, and its tokens there
+        self.copies: dict[int, Held] = {}  # the copies `hot` names, by id
         self.seen: OrderedDict[str, None] = OrderedDict()
         self.writes: list[tuple[list[str], Held, bool]] = []  # (keys, copy, pinned): written after the request
         self.counts = p.PrefixCounts()  # `bytes` is counted when reported
@@ -246,17 +247,22 @@ class Prefixes:
         for k, key in enumerate(keys, start=1):
             self.hot[key] = (held, k * self.block)
             self.hot.move_to_end(key)
+        self.copies[id(held)] = held
+        named = {id(h) for h, _ in self.hot.values()}  # a copy whose keys all went to newer ones is gone
+        self.copies = {i: h for i, h in self.copies.items() if i in named}
         while self.held_bytes > self.memory_bytes:
             oldest, _ = self.hot[next(iter(self.hot))]
             for key in [key for key, (h, _) in self.hot.items() if h is oldest]:
                 del self.hot[key]
+            del self.copies[id(oldest)]
 
     def report(self) -> p.PrefixCounts:
         return msgspec.structs.replace(self.counts, bytes=self.held_bytes)
 
     @property
     def held_bytes(self) -> int:
-        return sum(h.bytes for h in {id(h): h for h, _ in self.hot.values()}.values())
+        """Bytes of the copies held (reported every round of the loop: a sum over copies, not keys)."""
+        return sum(h.bytes for h in self.copies.values())
 
     # ------------------------------------------------------------ the store
 

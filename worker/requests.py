@@ -130,7 +130,9 @@ class Requests:
         if opening is None:
             return 0, {}
         options: dict = {"block": self.prefixes.aligned}
-        if opening.end > opening.cached:
+        # A copy of a new opening (or a pinned one) at its end; one that took a prefix keeps
+        # none (what it shares is kept already; its own last blocks seldom are shared).
+        if opening.end > opening.cached and (not opening.cached or opening.pin):
             options["at"] = (opening.end, lambda: self.prefixes.capture(session, opening))
         return opening.cached, options
 
