@@ -69,6 +69,16 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
     await session.close();
   });
 
+  test("priority and traceparent travel with a request; a priority out of bounds is refused", async () => {
+    await assert.rejects(client.openSession({ priority: 101 }), InvalidArgument);
+    const session = await client.openSession({ system: "You are terse.", maxTokens: 2, priority: 5 });
+    const traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    const stream = session.chat("Name a colour.", { priority: -3, traceparent });
+    assert.ok((await stream.text()).length > 0 && stream.result);
+    await assert.rejects(collect(session.chat("Another?", { priority: -101 })), InvalidArgument);
+    await session.close();
+  });
+
   test("a pinned opening is taken by the next session that starts with it", async () => {
     const rules = Array.from({ length: 8 }, (_, i) => `Rule ${i}: answer questions about shelf ${i} in at most ${i + 3} words.`);
     const system = `You are the assistant of a hardware shop. ${rules.join(" ")}`;
