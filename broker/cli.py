@@ -239,7 +239,7 @@ def format_stats(s) -> str:
         f"  queue wait p50 {s.queue_wait_p50_s * 1000:.1f} ms  p99 {s.queue_wait_p99_s * 1000:.1f} ms",
         f"store: live {s.sessions_live}  hibernated {s.sessions_hibernated}  hibernations {s.hibernations}"
         f"  restores {s.restores} (p50 {s.restore_p50_s * 1000:.1f} ms  p99 {s.restore_p99_s * 1000:.1f} ms)"
-        f"  {_size(s.store_bytes)} on disk",
+        f"  {_size(s.store_bytes)} on disk" + (f"  UNREACHABLE: {s.store_error}" if s.store_error else ""),
         "",
     ]
     header = (

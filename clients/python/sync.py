@@ -68,8 +68,10 @@ class Session(core.SessionCore):
 
     def generate(self, *, timeout: float | None = None, **options: Any) -> Stream:
         """Stream a generation. Options: max_tokens, temperature, top_p, top_k,
-        seed, stop, speculative (auto | off | lookup | draft), messages
-        (appended first), credit (0 = no flow control)."""
+        seed, stop, speculative (auto | off | lookup | draft), priority
+        (-100..100, higher first), messages (appended first), credit (0 = no
+        flow control). Where the program uses OpenTelemetry, its current span
+        goes with the request (traceparent)."""
         return Stream(self._link.run(self._start(self._generate_body(options), timeout)))
 
     def append(
@@ -171,8 +173,8 @@ class Client(core.ClientCore):
 
     def open_session(self, system: str | None = None, *, timeout: float | None = None, **options: Any) -> Session:
         """Open a session (takes a slab). Options: sink, window, sampling
-        defaults (max_tokens, temperature, top_p, top_k, seed, stop, speculative, or
-        `sampling=`), chat_template_kwargs (variables for the model's chat
+        defaults (max_tokens, temperature, top_p, top_k, seed, stop, speculative,
+        priority, or `sampling=`; priority also places the open in the queue), chat_template_kwargs (variables for the model's chat
         template, e.g. {"enable_thinking": False}), admission, queue_wait_s,
         client_name, prefix (shared prefixes: "auto", "pin" or "off")."""
         return self._run(self._open(system, timeout, options))
