@@ -1,11 +1,13 @@
 """Prometheus metrics and readiness, scraped from real processes: the
 daemon's `--metrics-port` and the gateway's /metrics, parsed with
 prometheus_client's own parser, move as a chat runs; a refusal is counted
-by its reason; the gateway's /ready turns 503 while the daemon drains."""
+by its reason, a worker that leaves as lost; the gateway's /ready turns
+503 while the daemon drains."""
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import urllib.error
@@ -140,6 +142,15 @@ def test_refusals_by_reason_and_ready_through_a_drain(stack_factory, tmp_path):
         assert value(gateway, "kvmux_http_refusals_total", reason="quota") == 1
         assert value(gateway, "kvmux_http_requests_total", api="chat_completions", status="429") == 1
         assert value(scrape(stack.metrics), "kvmux_refusals_total", reason="quota") == 2
+        # A worker that leaves is counted lost, and no longer up.
+        stack.add_worker()
+        assert value(scrape(stack.metrics), "kvmux_worker_up") == 2
+        stack.kill_worker(1, signal.SIGTERM)  # it drains, says DISCONNECT, exits
+        deadline = time.monotonic() + 10
+        while value(samples := scrape(stack.metrics), "kvmux_workers_lost_total") < 1:
+            assert time.monotonic() < deadline, "the worker's loss was never counted"
+            time.sleep(0.2)
+        assert value(samples, "kvmux_worker_up") == 1
         # A stream that waits for credit keeps the drain waiting: /ready says so meanwhile.
         session = client.open_session(client_name="bob")
         stream = session.generate(messages=[{"role": "user", "content": "Count to fifty."}], credit=1, max_tokens=200)
