@@ -2,7 +2,7 @@
 daemon's `--metrics-port` and the gateway's /metrics, parsed with
 prometheus_client's own parser, move as a chat runs; a refusal is counted
 by its reason, a worker that leaves as lost; the gateway's /ready turns
-503 while the daemon drains."""
+503 while the daemon drains and while its store is unreachable."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from conftest import KEY, api, http_gateway
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmux.bench import redis_server as bench_redis
 from kvmux.client import Client, Overloaded
 
 Samples = dict[tuple[str, frozenset], float]
@@ -195,3 +196,25 @@ def test_a_shared_prefix_is_counted_as_cached_from_the_prefix(shared_stack):
         before, "kvmux_cached_tokens_total", source="prefix"
     )
     assert moved == taken
+
+
+def wait_ready(base: str, status: int, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (answer := get(f"{base}/ready"))[0] != status:
+        assert time.monotonic() < deadline, f"/ready stayed {answer}"
+        time.sleep(0.2)
+    return answer[1]
+
+
+@pytest.mark.stack
+def test_ready_turns_503_while_the_store_is_unreachable(stack_factory, tmp_path):
+    with bench_redis.redis_server(tmp_path / "redis") as server:
+        store = ["--store", server.url]
+        stack = stack_factory(workers=1, slabs=1, broker_args=store, worker_args=store)
+        with http_gateway(stack, tmp_path, [KEY]) as base:
+            assert wait_ready(base, 200) == {"status": "ready"}
+            server.kill()
+            (reason,) = wait_ready(base, 503)["reasons"]
+            assert reason.startswith("the session store: ")
+            server.start()
+            wait_ready(base, 200)
