@@ -80,3 +80,36 @@ def test_a_key_file_gives_keys_their_default_priority():
     for bad in ("sk-a prio=1", "sk-a priority=101", "sk-a priority=x"):
         with pytest.raises(ValueError, match="line 1"):
             read_keys(bad)
+
+
+@pytest.mark.stack
+def test_a_higher_priority_prefill_takes_whole_chunks_while_lower_streams_wait(stack_factory):
+    """Beside a decoding stream, an equal priority's prefill shares each pass
+    in small chunks (worker/pace.py); a higher one's takes whole chunks, the
+    stream waiting for it: its 2,000 tokens are in sooner."""
+    stack = stack_factory(workers=1, slabs=3)
+    with Client(stack.frontend, timeout=120) as client:
+        streaming = client.open_session()
+        story = [{"role": "user", "content": "Tell a long story."}]
+        endless = {"type": "regex", "grammar": "[a-z ]{3000}"}  # no end of turn for thousands of characters
+        stream = streaming.generate(messages=story, max_tokens=2000, format=endless, speculative="off")
+        streamed: list[float] = []
+        reader = threading.Thread(target=lambda: streamed.extend(time.monotonic() for _ in stream), daemon=True)
+        reader.start()
+
+        def prefill_s(priority: int) -> float:
+            session = client.open_session(priority=priority)
+            seconds = session.append(token_ids=list(range(1000, 3000))).prefill_s
+            session.close()
+            return seconds
+
+        deadline = time.monotonic() + 60
+        while len(streamed) < 5:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.1)
+        prefill_s(10)  # the first whole chunks beside a stream: a warm-up
+        times = {priority: [prefill_s(priority) for _ in range(2)] for priority in (0, 10)}
+        assert reader.is_alive(), "the stream ended before the prefills did: they were not beside it"
+        streaming.cancel()
+        reader.join(30)
+    assert max(times[10]) < min(times[0]), times
