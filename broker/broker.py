@@ -410,7 +410,7 @@ class Broker:
             pending.store, pending.prefer = source.store, source.worker
         else:  # beside the sessions that opened as it does: the worker holds that opening's prefix
             pending.opening = self.openings.key(request)
-            pending.prefer = self.openings.worker(pending.opening)
+            pending.prefer = self.openings.worker(pending.opening, list(self.registry.workers.values()))
         self.place(pending, request, frame.now)
 
     def place(self, pending: Pending, request, now: float) -> None:

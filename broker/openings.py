@@ -1,10 +1,13 @@
 """Where each opening was last placed: a new session that opens as an
 earlier one did (the same system prompt, tools, template options and
-window) goes to that session's worker when it has a free slab, where the
-worker's shared prefixes (worker/prefixes.py) hold that opening in memory
-(a copy, not a read from the store). The broker never tokenizes: an
-opening is named by the fields that render it, as a fork is placed by its
-session's worker."""
+window) goes to that session's worker, where the worker's shared prefixes
+(worker/prefixes.py) hold that opening in memory (a copy, not a read from
+the store), as a fork goes to its original's worker. The broker never
+tokenizes: an opening is named by the fields that render it, and one too
+short to share a prefix (under SHAREABLE characters) is placed by load
+alone. Load still wins: the preferred worker is passed over where another
+has more than twice its free slabs (a cold prefill there costs less than a
+queue here, and a store read gives the prefix all the same)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from kvmux.protocol import OpenSession, PrefixMode
 from .registry import WorkerEntry
 
 REMEMBERED = 4096  # openings, least recently placed forgotten first
+SHAREABLE = 1024  # characters of system prompt and tools: ~256 tokens, the least worth a prefix
 
 
 class Openings:
@@ -28,15 +32,22 @@ class Openings:
     def key(request: OpenSession) -> str | None:
         """The opening's name; None for one that shares nothing (a fork, no
         system prompt or tools, or `prefix` off)."""
-        if request.fork is not None or request.prefix == PrefixMode.OFF or not (request.system or request.tools):
+        if request.fork is not None or request.prefix == PrefixMode.OFF:
             return None
-        fields = [request.system, request.tools, request.chat_template_kwargs, request.sink, request.window]
-        return hashlib.sha256(msgspec.msgpack.encode(fields)).hexdigest()
+        fields = msgspec.msgpack.encode(
+            [request.system, request.tools, request.chat_template_kwargs, request.sink, request.window]
+        )
+        if len(fields) < SHAREABLE:
+            return None
+        return hashlib.sha256(fields).hexdigest()
 
-    def worker(self, key: str | None) -> WorkerEntry | None:
-        """The worker the opening was last placed on (the registry checks
+    def worker(self, key: str | None, workers: list[WorkerEntry]) -> WorkerEntry | None:
+        """The worker the opening was last placed on, unless another of
+        `workers` has more than twice its free slabs (the registry checks
         that it is still there, with a free slab)."""
-        return self._placed.get(key) if key else None
+        placed = self._placed.get(key) if key else None
+        most = max((w.free_slabs for w in workers if not w.draining), default=0)
+        return placed if placed is not None and 2 * placed.free_slabs >= most else None
 
     def placed(self, key: str | None, worker: WorkerEntry) -> None:
         if key:

@@ -12,7 +12,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import Daemon, api, http_gateway, kvmux_command
+from conftest import KEY, Daemon, api, http_gateway, kvmux_command
 
 from kvmux.bench import redis_server as bench_redis
 from kvmux.client import Client
@@ -254,3 +254,39 @@ def test_the_gateway_pins_an_opening_by_header_and_refuses_a_bad_one(base):
     assert first("And low water?").usage.prompt_tokens_details.cached_tokens >= 64
     with pytest.raises(Exception, match="X-Kvmux-Prefix must be one of auto, pin, off"):
         first("Anything?", **{"X-Kvmux-Prefix": "always"})
+
+
+def test_anthropic_and_responses_report_a_shared_prefix_as_cached(base):
+    """The Messages API's cache_read_input_tokens and the Responses API's
+    input_tokens_details.cached_tokens count what a new conversation took
+    from a shared prefix."""
+    import anthropic
+
+    system = "You keep the lighthouse log of a northern island. " + " ".join(
+        f"Entry {i}: the lamp burned {i % 9 + 3} hours and the wind came from bearing {i * 30 % 360}."
+        for i in range(10)
+    )
+    pin = {"X-Kvmux-Prefix": "pin"}
+    claude = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=300)
+
+    def message(question: str, **headers):
+        messages = [{"role": "user", "content": question}]
+        return claude.messages.create(
+            model="kvmux", system=system, messages=messages, max_tokens=4, extra_headers=headers
+        )
+
+    assert message("How long did the lamp burn?", **pin).usage.cache_read_input_tokens == 0
+    assert message("Where did the wind come from?").usage.cache_read_input_tokens >= 64
+    openai = api(base)
+
+    def response(question: str, **headers):
+        return openai.responses.create(
+            model="kvmux",
+            instructions="Answer in one word. " + system,  # another opening than the one pinned above
+            input=question,
+            max_output_tokens=4,
+            extra_headers=headers,
+        )
+
+    assert response("Which entry is first?", **pin).usage.input_tokens_details.cached_tokens == 0
+    assert response("Which entry is last?").usage.input_tokens_details.cached_tokens >= 64
