@@ -403,15 +403,31 @@ class Broker:
         body = encode(msgspec.structs.replace(request, client_name=owner))
         pending = Pending(route, request_id, body, owner, frame.now, frame.now, priority=priority(request.sampling))
         pending.traceparent = request.traceparent
+        pending.model = self._model(request.model)
         if request.fork is not None:  # on a worker that reads its session's record, its own when it has a slab
             source = self.registry.sessions.get(request.fork.session_id)
             if source is None or source.ending is not None or not frame.owns(source):
                 raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {request.fork.session_id} to fork")
-            pending.store, pending.prefer = source.store, source.worker
+            if request.model is not None and pending.model != source.model:
+                why = f"session {source.session_id} runs {source.model}: its fork cannot run {pending.model}"
+                raise ProtocolError(ErrorCode.INVALID_ARGUMENT, why)
+            pending.store, pending.prefer, pending.model = source.store, source.worker, source.model
         else:  # beside the sessions that opened as it does: the worker holds that opening's prefix
             pending.opening = self.openings.key(request)
             pending.prefer = self.openings.worker(pending.opening)
         self.place(pending, request, frame.now)
+
+    def _model(self, named: str | None) -> str | None:
+        """The model an OPEN runs on: the one it names, else the daemon's
+        default (its first worker's); None while no worker registered yet
+        (the first to register runs it). One no worker runs is refused."""
+        models = self.registry.models()
+        if named is None or named in models:
+            return named or next(iter(models), None)
+        if not models and self.cfg.workers > 0:
+            return named  # its own workers are starting: it waits for them like any open
+        have = ", ".join(models) or "none: no worker is registered"
+        raise ProtocolError(ErrorCode.MODEL_NOT_FOUND, f"this daemon has no model {named!r} (it has {have})")
 
     def place(self, pending: Pending, request, now: float) -> None:
         """An OPEN, or a call on a hibernated session: onto a worker's free

@@ -29,6 +29,7 @@ class ErrorCode(_Code):
     CANCELLED = "cancelled"
     VERSION_MISMATCH = "version_mismatch"
     FRAME_TOO_LARGE = "frame_too_large"
+    MODEL_NOT_FOUND = "model_not_found"  # an OPEN named a model no worker of the daemon runs
     TIMEOUT = "timeout"  # client side: no answer within the call's timeout
     INTERNAL = "internal"
 

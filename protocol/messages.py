@@ -145,6 +145,9 @@ class OpenSession(_Body):
     # prefix another session computed, and is kept for the next), pin (its prefix is stored
     # at once and kept past the budget's evictions) or off (neither: prefilled cold).
     prefix: str | None = None
+    # The model the session runs on: a worker's model id or an alias it declares; None: the
+    # daemon's default (its first worker's model). One it does not have: `model_not_found`.
+    model: str | None = None
 
 
 class Append(_Body):

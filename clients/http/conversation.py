@@ -24,13 +24,16 @@ from .gateway import PREFIX_HEADER, SESSION_HEADER, Gateway
 log = logs.get("http")
 
 
+DEFAULT_MODEL = "kvmux"  # what a request names for the daemon's default model (each API's default)
+
+
 @dataclass
 class Chat:
     """A request of any API as the chat it continues."""
 
     messages: list[dict]  # role, content, and a call's tool_calls ({id, name, arguments}) or a result's tool_call_id
     options: dict  # the generate's: sampling, stop, tools' choice, format, logprobs
-    model: str
+    model: str  # as the request names it: DEFAULT_MODEL is the daemon's default
     stream: bool = False
     template_kwargs: dict | None = None  # chat_template_kwargs, for a session it opens
     tools: list[p.Tool] = field(default_factory=list)  # for a session it opens
@@ -42,11 +45,18 @@ class Chat:
         is: a request with other template options or tools, or from another
         key, is another conversation."""
         context = {"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {}
+        if self.session_model is not None:
+            context["model"] = self.session_model
         if self.owner:
             context["owner"] = self.owner
         if self.tools:
             context["tools"] = [msgspec.to_builtins(t) for t in self.tools]
         return context or None
+
+    @property
+    def session_model(self) -> str | None:
+        """OpenSession.model: None for DEFAULT_MODEL (the daemon's default)."""
+        return None if self.model == DEFAULT_MODEL else self.model
 
 
 def options(**given: object) -> dict:
@@ -81,6 +91,7 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
             tools=chat.tools,
             priority=chat.options.get("priority"),
             prefix=prefix,
+            model=chat.session_model,
         )
         found = session, Bound(session.id, 0), messages[1:] if system is not None else messages
     found[0].detach()

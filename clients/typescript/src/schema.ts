@@ -33,7 +33,7 @@ export const Op = {
   "ERROR": "error"
 } as const;
 
-export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "forbidden", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
+export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "forbidden", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "model_not_found", "timeout", "internal"] as const;
 
 export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled", "tool_calls"] as const;
 
@@ -63,6 +63,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["fork", {"struct": "Fork"}, null],
     ["traceparent", "str", null],
     ["prefix", "str", null],
+    ["model", "str", null],
   ]},
   "Append": {"tag": null, "array": false, "fields": [
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
@@ -422,6 +423,7 @@ export interface OpenSession {
   fork?: Fork;
   traceparent?: string;
   prefix?: string;
+  model?: string;
 }
 
 export interface Append {
