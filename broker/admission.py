@@ -102,7 +102,8 @@ class Admission:
     ) -> WorkerEntry | Pending | Refusal:
         """Admit on a worker, queue (returns `pending`, now queued) or refuse.
         `request` is the OPEN's body (None for a hibernated session's call);
-        `workers_starting`: the daemon's own workers are not all up yet."""
+        `workers_starting`: the daemon's own workers of its model will
+        register (starting, or loading it on demand)."""
         if request is not None:
             admission, wait = self.policy(request)
             refusal = self._bounds(registry, pending.owner, pending.model)
@@ -116,13 +117,14 @@ class Admission:
         if worker is not None and not ahead:  # never jump the queue (of its model)
             return worker
         hibernating = any(s.state is State.HIBERNATING and model in (None, s.model) for s in registry.sessions.values())
-        if not registry.workers and workers_starting:
+        runs = any(w.runs(model) for w in registry.workers.values())
+        if not runs and workers_starting:  # the daemon's own, starting or loading its model
             wait, admission = self.cfg.worker_wait_s, "queue"
         elif registry.idle_live(pending.store, model) or hibernating:
             admission = "queue"  # a slab frees as soon as an idle session is hibernated
         if admission == "reject":
-            if not registry.workers:
-                return self.refuse(OverloadReason.NO_WORKER, "no worker is registered")
+            if not runs:
+                return self.refuse(OverloadReason.NO_WORKER, f"no worker{_of(model)} is registered")
             slabs = sum(w.ready.slabs for w in registry.workers.values() if w.runs(model))
             return self.refuse(OverloadReason.NO_SLAB, f"all {slabs} slabs{_of(model)} are busy running requests")
         if len(ahead) >= self.cfg.queue_depth:

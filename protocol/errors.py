@@ -90,3 +90,11 @@ class PrefixMode(_Code):
     AUTO = "auto"  # take the longest one stored or held; keep the opening for the next session
     PIN = "pin"  # take one, and store the opening's own prefix at once, kept past evictions
     OFF = "off"  # neither: the opening is prefilled cold and kept nowhere
+
+
+class ModelState(_Code):
+    """ModelStats.state: where a model the daemon serves is."""
+
+    RESIDENT = "resident"  # a worker of it is registered
+    LOADING = "loading"  # its local workers are starting
+    UNLOADED = "unloaded"  # declared, no worker of it runs

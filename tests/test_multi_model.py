@@ -12,13 +12,14 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
-from conftest import KEY, api, http_gateway
+from conftest import KEY, Daemon, api, broker_stats, http_gateway
 from test_node_client import node_package  # noqa: F401 (a fixture)
 
 from kvmux.client import Client, ModelNotFound
@@ -129,3 +130,112 @@ def test_two_models_in_one_daemon(stack_factory, gemma_path, node_package, tmp_p
         assert reply(client) == (smol, smol_tokens, smol_text)
         with pytest.raises(ModelNotFound):
             client.open_session(model=gemma)
+
+
+def rss(pid: int) -> int:
+    """A process's resident bytes (0 once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except FileNotFoundError:
+        return 0
+
+
+def models_of(stats) -> dict:
+    return {m.model: m for m in stats.models}
+
+
+def wait_state(daemon: Daemon, model: str, state: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = broker_stats(daemon.frontend, timeout_s=2.0)
+        if stats is not None and models_of(stats)[model].state == state:
+            return stats
+        time.sleep(0.2)
+    raise TimeoutError(f"{model} not {state}\n{daemon.logs()}")
+
+
+def declare(tmp: Path, extra: str = "") -> Path:
+    """SmolLM2 (the default, pinned) and Gemma 3 270M, by their packaged names."""
+    config = tmp / "kvmux.toml"
+    config.write_text(
+        f"{extra}\n"
+        '[[models]]\npath = "smollm2-135m"\naliases = ["smol"]\npinned = true\n'
+        f'[[models]]\npath = "gemma3-270m"\naliases = ["gemma"]\nchat_template = "{TEMPLATE}"\n'
+    )
+    return config
+
+
+def test_idle_unload_frees_memory_and_a_later_call_reloads_and_resumes(tmp_path, gemma_path):
+    """Gemma, idle past idle_unload_s, is unloaded: its session hibernates,
+    its worker exits (its memory freed); a call on that session loads it
+    again and continues with the exact history: the same reply as a session
+    that never left. SmolLM2, pinned, stays."""
+    with Daemon(tmp_path, workers=1, args=["--config", str(declare(tmp_path, "idle_unload_s = 4"))]) as daemon:
+        stats = daemon.wait_workers(2)
+        listed = models_of(stats)
+        smol = next(m for m in listed.values() if m.default)
+        gemma = next(m for m in listed.values() if "gemma" in m.aliases)
+        assert smol.pinned and "smol" in smol.aliases and "smollm2-135m" in smol.aliases
+        assert gemma.model == gemma_path.name and gemma.state == "resident" and not gemma.pinned
+        with Client(daemon.frontend, timeout=300) as client:
+            session = client.open_session(model="gemma")
+            first = "".join(c.text for c in session.chat(QUESTION, max_tokens=TOKENS, temperature=0))
+            held = session.info().history_tokens
+            pid = next(w.pid for w in client.stats().workers if w.model == gemma.model)
+            before = rss(pid)
+            unloaded = wait_state(daemon, gemma.model, "unloaded")
+            assert rss(pid) == 0 and models_of(unloaded)[smol.model].state == "resident"
+            assert any(s.session_id == session.id and s.state == "hibernated" for s in client.list_sessions())
+
+            again = "".join(c.text for c in session.chat("And another.", max_tokens=TOKENS, temperature=0))
+            info = session.info()
+            with client.open_session(model="gemma") as reference:
+                assert "".join(c.text for c in reference.chat(QUESTION, max_tokens=TOKENS, temperature=0)) == first
+                expected = "".join(c.text for c in reference.chat("And another.", max_tokens=TOKENS, temperature=0))
+                assert info.history_tokens == reference.info().history_tokens > held
+            assert again == expected
+            session.close()
+        loaded = [e["seconds"] for e in daemon.events("model_ready")]
+        freed = [e["freed_bytes"] for e in daemon.events("model_unloaded")]
+        print(f"rss before unload {before} bytes, freed {freed}; loads took {loaded} s")
+        assert before > 100 << 20 and freed and len(loaded) >= 3  # two at start, Gemma again
+
+
+def test_a_budget_for_one_model_alternates_under_two_clients(tmp_path, gemma_path):
+    """max_resident_bytes smaller than either model: one resident at a
+    time. Two clients, one per model, each take turns: every reply is its
+    model's own, and the models were loaded and unloaded in turn."""
+    config = declare(tmp_path, "max_resident_bytes = 1048576").read_text().replace("pinned = true\n", "")
+    (tmp_path / "kvmux.toml").write_text(config)
+    with Daemon(tmp_path, workers=1, args=["--config", str(tmp_path / "kvmux.toml")]) as daemon:
+        daemon.wait_workers(1)
+        replies: dict[str, list[str]] = {}
+        errors: list[BaseException] = []
+
+        def turns(model: str) -> None:
+            try:
+                with Client(daemon.frontend, timeout=300) as client, client.open_session(model=model) as session:
+                    replies[model] = [
+                        "".join(c.text for c in session.chat(f"Name colour {i}.", max_tokens=4, temperature=0))
+                        for i in range(3)
+                    ]
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=turns, args=(model,)) for model in ("smol", "gemma")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        assert not errors, f"{errors}\n{daemon.logs()}"
+        stats = broker_stats(daemon.frontend)
+        assert sum(m.state == "resident" for m in stats.models) == 1  # never both
+        assert stats.model_unloads >= 1 and stats.model_loads >= 2
+        for model in ("smol", "gemma"):  # each reply its model's own: the same turns again, alone
+            with Client(daemon.frontend, timeout=300) as client, client.open_session(model=model) as session:
+                alone = [
+                    "".join(c.text for c in session.chat(f"Name colour {i}.", max_tokens=4, temperature=0))
+                    for i in range(3)
+                ]
+            assert replies[model] == alone, model
+        print(f"budget: loads {stats.model_loads}, unloads {stats.model_unloads}")

@@ -397,6 +397,10 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["store_bytes", "int", 0],
     ["store_error", "str", ""],
     ["endpoints", {"list": {"struct": "Endpoint"}}, []],
+    ["models", {"list": {"struct": "ModelStats"}}, []],
+    ["max_resident_bytes", "int", 0],
+    ["model_loads", "int", 0],
+    ["model_unloads", "int", 0],
   ]},
   "Error": {"tag": "error", "array": false, "fields": [
     ["code", "str"],
@@ -818,6 +822,10 @@ export interface BrokerStats {
   storeBytes?: number;
   storeError?: string;
   endpoints?: Endpoint[];
+  models?: ModelStats[];
+  maxResidentBytes?: number;
+  modelLoads?: number;
+  modelUnloads?: number;
 }
 
 export interface ErrorReply {
