@@ -486,7 +486,7 @@ class Refused(msgspec.Struct, kw_only=True):
     count: int
 
 
-class ModelStats(msgspec.Struct, kw_only=True):
+class ModelStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A model the daemon serves: one it declares, or one a registered worker runs."""
 
     model: str  # its id, as its workers' READY says it (OpenSession.model)

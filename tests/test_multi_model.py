@@ -106,6 +106,8 @@ def test_two_models_in_one_daemon(stack_factory, gemma_path, node_package, tmp_p
         assert "session_restored" in stack.logs()
 
         with http_gateway(stack, tmp_path, [KEY]) as base:
+            listed = {m.id: m.model_extra["state"] for m in api(base).models.list()}
+            assert listed == {gemma: "resident", smol: "resident"}
             messages = [{"role": "user", "content": QUESTION}]
             completion = api(base).chat.completions.create(
                 model=smol, messages=messages, max_tokens=TOKENS, temperature=0

@@ -256,6 +256,16 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["protection", "str"],
     ["curve", "bool", false],
   ]},
+  "ModelStats": {"tag": null, "array": false, "fields": [
+    ["model", "str"],
+    ["aliases", {"list": "str"}, []],
+    ["state", "str"],
+    ["workers", "int", 0],
+    ["default", "bool", false],
+    ["pinned", "bool", false],
+    ["resident_bytes", "int", 0],
+    ["idle_s", "float", 0.0],
+  ]},
   "Compute": {"tag": null, "array": false, "fields": [
     ["device", "str"],
     ["blas", "str", ""],
@@ -648,6 +658,17 @@ export interface Endpoint {
   endpoint: string;
   protection: string;
   curve?: boolean;
+}
+
+export interface ModelStats {
+  model: string;
+  aliases?: string[];
+  state: string;
+  workers?: number;
+  default?: boolean;
+  pinned?: boolean;
+  residentBytes?: number;
+  idleS?: number;
 }
 
 export interface Compute {
