@@ -92,7 +92,7 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     admission: Annotated[
         Literal["reject", "queue"], doc("What an open gets when every slab is busy running a request.")
     ] = "reject"
-    queue_depth: Annotated[Count, doc("Most opens waiting in the queue at once.")] = 64
+    queue_depth: Annotated[Count, doc("Most opens waiting in the queue at once, per model.")] = 64
     queue_wait_s: Annotated[Positive, doc("Longest an open waits in the queue for a slab.")] = 30.0
     priority_aging_s: Annotated[
         Positive, doc("In the queue, each this many seconds waited count as one level of priority.")
@@ -100,8 +100,8 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     client_quota: Annotated[
         Count,
         doc(
-            "Sessions (live and hibernated) per client identity: its CURVE key, else its client_name,"
-            " else its connection; 0: no quota."
+            "Sessions (live and hibernated) per client identity and model: its CURVE key, else its"
+            " client_name, else its connection; 0: no quota."
         ),
     ] = 1000
     idle_timeout_s: Annotated[NonNegative, doc("Close sessions idle this long; 0: never.")] = 0.0
