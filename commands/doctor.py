@@ -135,7 +135,7 @@ def doctor(
         head, *models = format_models(stats)
         line("models", head.removeprefix("models: "))
         for m, text in zip(stats.models, models, strict=True):
-            line(f"model {m.model}", text.split(": ", 1)[1])
+            line(f"model {m.model}", text.strip().removeprefix(m.model).removeprefix(": "))
     raise typer.Exit(0 if ok else 1)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from conftest import KEY, Daemon, api, broker_stats, http_gateway
+from conftest import KEY, Daemon, api, broker_stats, http_gateway, kvmux_command
 from test_node_client import node_package  # noqa: F401 (a fixture)
 
 from kvmux.client import Client, ModelNotFound
@@ -188,6 +188,13 @@ def test_idle_unload_frees_memory_and_a_later_call_reloads_and_resumes(tmp_path,
             unloaded = wait_state(daemon, gemma.model, "unloaded")
             assert rss(pid) == 0 and models_of(unloaded)[smol.model].state == "resident"
             assert any(s.session_id == session.id and s.state == "hibernated" for s in client.list_sessions())
+            for command in ("stats", "doctor"):  # each model's state, the budget: where an operator looks
+                shown = subprocess.run(
+                    kvmux_command(command, "--endpoint", daemon.frontend), capture_output=True, text=True, timeout=60
+                ).stdout
+                lines = {line.split(gemma.model)[-1] for line in shown.splitlines() if gemma.model in line}
+                assert any("unloaded, 0 workers" in line and "aka gemma" in line for line in lines), shown
+                assert "(default, pinned): resident, 1 workers" in shown and "budget " in shown, shown
 
             again = "".join(c.text for c in session.chat("And another.", max_tokens=TOKENS, temperature=0))
             info = session.info()
