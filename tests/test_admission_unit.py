@@ -214,3 +214,17 @@ def test_each_model_is_admitted_and_queued_on_its_own():
     reg.finish(reg.requests[(b"c0", 99)])
     assert adm.next_admitted(reg, 3.0) == (later, big)  # m's first still has no slab: g's is served
     assert adm.next_admitted(reg, 3.0) is None and list(adm.queue) == [waiting]
+
+
+def test_the_client_quota_counts_per_model():
+    reg, adm = Registry(), Admission(BrokerConfig(client_quota=1))
+    reg.add_worker(b"w1", ready(slabs=2), now=0.0)
+    gemma = reg.add_worker(b"w2", msgspec.structs.replace(ready(slabs=2), model="g"), now=0.0)
+    add(reg, "s1", reg.workers[b"w1"], owner="alice")  # alice's one session of "m"
+    again = pending()
+    again.model = "m"
+    refused = adm.decide(reg, again, OpenSession(), 0.0)
+    assert isinstance(refused, Refusal) and refused.reason is OverloadReason.QUOTA and "of m" in refused.message
+    other = pending(request_id=2)
+    other.model = "g"
+    assert adm.decide(reg, other, OpenSession(), 0.0) is gemma
