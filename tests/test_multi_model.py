@@ -113,6 +113,17 @@ def test_two_models_in_one_daemon(stack_factory, gemma_path, node_package, tmp_p
                 model=smol, messages=messages, max_tokens=TOKENS, temperature=0
             )
             assert completion.choices[0].message.content == smol_text
+            raw = api(base).chat.completions.with_raw_response.create(
+                model=gemma, messages=messages, max_tokens=TOKENS, temperature=0
+            )
+            pinned = {"X-Kvmux-Session": raw.headers["X-Kvmux-Session"]}  # a Gemma session
+            with pytest.raises(openai.BadRequestError) as other:  # it would answer with Gemma
+                api(base).chat.completions.create(
+                    model=smol, messages=messages, max_tokens=TOKENS, extra_headers=pinned
+                )
+            assert other.value.body["param"] == "model" and gemma in other.value.body["message"]
+            response = api(base).responses.create(model=smol, input=QUESTION, max_output_tokens=TOKENS, temperature=0)
+            assert response.output_text == smol_text
             with pytest.raises(openai.NotFoundError) as missing:
                 api(base).chat.completions.create(model="llama-9000", messages=messages, max_tokens=TOKENS)
             assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"

@@ -77,6 +77,7 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
     pinned = request.headers.get(SESSION_HEADER)  # another key's was refused on the way in (auth.Auth)
     if pinned:
         session = await client.resume_session(pinned)
+        await same_model(gateway, session, chat.session_model)
         last = max((i for i, m in enumerate(chat.messages) if m["role"] == "assistant"), default=-1)
         found = session, Bound(session.id, 0, pinned=True), chat.messages[last + 1 :]
     else:
@@ -96,6 +97,17 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
         found = session, Bound(session.id, 0), messages[1:] if system is not None else messages
     found[0].detach()
     return found
+
+
+async def same_model(gateway: Gateway, session, named: str | None) -> None:
+    """A request that names a model (by id or alias) other than its pinned
+    session's is refused: that session would answer with its own model."""
+    model = session.opened.model
+    if named is None or named == model:
+        return
+    stats = await gateway.client.stats()
+    if named not in next((m.aliases for m in stats.models if m.model == model), []):
+        raise bad(f"session {session.id} runs {model}, not {named}", "model")
 
 
 def prefix_mode(request: Request) -> str | None:
