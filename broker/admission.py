@@ -118,7 +118,8 @@ class Admission:
             return worker
         hibernating = any(s.state is State.HIBERNATING and model in (None, s.model) for s in registry.sessions.values())
         runs = any(w.runs(model) for w in registry.workers.values())
-        if not runs and workers_starting:  # the daemon's own, starting or loading its model
+        serving = any(w.runs(model) and not w.draining for w in registry.workers.values())
+        if not serving and workers_starting:  # the daemon's own, starting, or loading its model (or unloading it)
             wait, admission = self.cfg.worker_wait_s, "queue"
         elif registry.idle_live(pending.store, model) or hibernating:
             admission = "queue"  # a slab frees as soon as an idle session is hibernated
