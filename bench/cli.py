@@ -317,9 +317,12 @@ def models(
     rounds: int = typer.Option(5, help="Rounds; each runs every model once, in turn."),
     prompt_words: int = typer.Option(200, help="Words of plain text appended before each decode."),
     decode_tokens: int = typer.Option(128, help="Greedy tokens decoded per run (speculative off)."),
+    switch_rounds: int = typer.Option(
+        3, help="Rounds of the switch cost (two models or more): first token resident, loaded, after an unload."
+    ),
     output: Path = typer.Option(Path("models.json"), help="Report path."),
 ) -> None:
-    """Decode and prefill tok/s of models side by side through the daemon, interleaved."""
+    """Decode and prefill tok/s of models side by side through the daemon, interleaved; the cost of a switch."""
     import json
 
     from kvmux import logs
@@ -328,7 +331,14 @@ def models(
 
     logs.configure()
     doc = run(
-        ModelsConfig(models=model or [], rounds=rounds, prompt_words=prompt_words, decode_tokens=decode_tokens), output
+        ModelsConfig(
+            models=model or [],
+            rounds=rounds,
+            prompt_words=prompt_words,
+            decode_tokens=decode_tokens,
+            switch_rounds=switch_rounds,
+        ),
+        output,
     )
     print(json.dumps(doc["summary"], indent=1))
 

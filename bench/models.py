@@ -8,6 +8,15 @@ template), then `decode_tokens` greedy tokens with speculative decoding off
 (a token per pass). Per model: the worker's start (from `kvmux serve` to
 registered), prefill and decode tok/s from the result frames, and each
 model's median decode tok/s over the first model's.
+
+Then the switch cost (`switch_rounds`, with two models or more): one
+`kvmux serve` declaring the first two with a memory budget that holds one
+at a time (`max_resident_bytes` = 1), so each switch unloads the other.
+Each round times to the first token (from the open, or the call on an
+existing session, through the append of a short prompt to the first chunk): on the first model while it is resident; on the
+second, which must be loaded (the first is unloaded, its session
+hibernated); and on the first model's session again, after its unload
+(the model loaded again, the session restored).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ class ModelsConfig:
     rounds: int = 5
     prompt_words: int = 200
     decode_tokens: int = 128
+    switch_rounds: int = 3  # 0: no switch cost
 
 
 def _token_ids(model: str, words: int) -> list[int]:
@@ -66,6 +76,44 @@ def _run(frontend: str, ids: list[int], cfg: ModelsConfig) -> dict:
         }
 
 
+def _first_token(session, ids: list[int], started: float | None = None) -> float:
+    """Seconds from `started` (the session's open; else now) to the first
+    token of a one-token reply to `ids`."""
+    started = time.monotonic() if started is None else started
+    session.append(token_ids=ids)
+    stream = session.generate(max_tokens=1, temperature=0.0, speculative="off")
+    next(iter(stream))
+    seconds = time.monotonic() - started
+    for _chunk in stream:
+        pass
+    return seconds
+
+
+def _switch(models: list[str], cfg: ModelsConfig) -> dict:
+    """Time to first token on a resident model, on one that must be loaded,
+    and on a session whose model was unloaded (one daemon, one model at a time)."""
+    first, second = models[:2]
+    ids = [_token_ids(m, 20) for m in (first, second)]
+    args = ("--model", first, "--model", second, "--max-resident-bytes", "1")
+    out: dict[str, list[float]] = {"resident_s": [], "load_s": [], "after_unload_s": []}
+    with spawn.serve(workers=1, slabs=2, serve_args=args) as frontend, Client(frontend, timeout=600) as client:
+        for _ in tqdm(range(cfg.switch_rounds), desc="switches", unit="round"):
+            started = time.monotonic()
+            kept = client.open_session(model=Path(first).name)
+            out["resident_s"].append(_first_token(kept, ids[0], started))
+            started = time.monotonic()
+            with client.open_session(model=Path(second).name) as other:
+                out["load_s"].append(_first_token(other, ids[1], started))
+            out["after_unload_s"].append(_first_token(kept, ids[0]))
+            kept.close()
+    return {
+        "resident": Path(first).name,
+        "loaded": Path(second).name,
+        "runs": out,
+        **{f"{k}_median": round(statistics.median(v), 3) for k, v in out.items()},
+    }
+
+
 def run(cfg: ModelsConfig, output: Path) -> dict:
     models = cfg.models or [str(default_model_path())]
     names = [Path(m).name for m in models]
@@ -94,5 +142,8 @@ def run(cfg: ModelsConfig, output: Path) -> dict:
         name: {k: doc["models"][name][k] for k in ("decode_tok_s_median", "prefill_tok_s_median", "decode_vs_first")}
         for name in names
     }
+    if cfg.switch_rounds and len(models) > 1:
+        doc["switch"] = _switch(models, cfg)
+        doc["summary"]["switch"] = {k: v for k, v in doc["switch"].items() if k != "runs"}
     writer.write("complete")
     return doc

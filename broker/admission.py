@@ -12,7 +12,10 @@ highest `priority + waited / priority_aging_s` first (each
 behind higher priorities for ever), the earliest first among equals. While the daemon's own
 workers are still starting, requests wait for them. A per-client quota and
 `max_sessions` bound the sessions (live and hibernated), and the idle
-timeout picks sessions to close. Nothing here touches a socket."""
+timeout picks sessions to close. Each model is admitted on its own: its
+workers' slabs, its place in the queue (depth and order count per model)
+and the client quota count per model, so one model's backlog never blocks
+another's sessions. Nothing here touches a socket."""
 
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ class Pending:
     priority: int = 0  # Sampling.priority: the queue serves higher first
     traceparent: str | None = None  # its request's trace, while the broker traces (kvmux/tracing.py)
     opening: str | None = None  # an OPEN's opening (broker/openings.py): its worker is preferred
+    model: str | None = None  # the model it runs on: only its workers take it (None: any, before one registers)
 
     @property
     def is_open(self) -> bool:
@@ -98,35 +102,44 @@ class Admission:
     ) -> WorkerEntry | Pending | Refusal:
         """Admit on a worker, queue (returns `pending`, now queued) or refuse.
         `request` is the OPEN's body (None for a hibernated session's call);
-        `workers_starting`: the daemon's own workers are not all up yet."""
+        `workers_starting`: the daemon's own workers of its model will
+        register (starting, or loading it on demand)."""
         if request is not None:
             admission, wait = self.policy(request)
-            refusal = self._bounds(registry, pending.owner)
+            refusal = self._bounds(registry, pending.owner, pending.model)
             if refusal is not None:
                 return refusal
         else:
             admission, wait = self.cfg.admission, self.cfg.queue_wait_s
-        worker = registry.place(pending.store, pending.prefer)
-        if worker is not None and not self.queue:  # never jump the queue
+        model = pending.model
+        worker = registry.place(pending.store, pending.prefer, model)
+        ahead = self.waiting(model)
+        if worker is not None and not ahead:  # never jump the queue (of its model)
             return worker
-        if not registry.workers and workers_starting:
+        hibernating = any(s.state is State.HIBERNATING and model in (None, s.model) for s in registry.sessions.values())
+        runs = any(w.runs(model) for w in registry.workers.values())
+        serving = any(w.runs(model) and not w.draining for w in registry.workers.values())
+        if not serving and workers_starting:  # the daemon's own, starting, or loading its model (or unloading it)
             wait, admission = self.cfg.worker_wait_s, "queue"
-        elif registry.idle_live(pending.store) or any(s.state is State.HIBERNATING for s in registry.sessions.values()):
+        elif registry.idle_live(pending.store, model) or hibernating:
             admission = "queue"  # a slab frees as soon as an idle session is hibernated
         if admission == "reject":
-            if not registry.workers:
-                return self.refuse(OverloadReason.NO_WORKER, "no worker is registered")
-            return self.refuse(OverloadReason.NO_SLAB, f"all {registry.slabs_total()} slabs are busy running requests")
-        if len(self.queue) >= self.cfg.queue_depth:
-            return self.refuse(OverloadReason.QUEUE_FULL, f"the admission queue is full ({len(self.queue)} waiting)")
+            if not runs:
+                return self.refuse(OverloadReason.NO_WORKER, f"no worker{_of(model)} is registered")
+            slabs = sum(w.ready.slabs for w in registry.workers.values() if w.runs(model))
+            return self.refuse(OverloadReason.NO_SLAB, f"all {slabs} slabs{_of(model)} are busy running requests")
+        if len(ahead) >= self.cfg.queue_depth:
+            return self.refuse(OverloadReason.QUEUE_FULL, f"the admission queue is full ({len(ahead)} waiting)")
         pending.enqueued, pending.deadline = now, now + wait
         self.queue.append(pending)
         return pending
 
-    def _bounds(self, registry: Registry, owner: str) -> Refusal | None:
+    def _bounds(self, registry: Registry, owner: str, model: str | None) -> Refusal | None:
         quota = self.cfg.client_quota
-        if quota and registry.live_sessions_of(owner) + self.queued_for(owner) >= quota:
-            return self.refuse(OverloadReason.QUOTA, f"client {owner!r} already holds its quota of {quota} sessions")
+        if quota and registry.live_sessions_of(owner, model) + self.queued_for(owner, model) >= quota:
+            return self.refuse(
+                OverloadReason.QUOTA, f"client {owner!r} already holds its quota of {quota} sessions{_of(model)}"
+            )
         total = len(registry.sessions) + sum(1 for r in registry.requests.values() if r.op == "open")
         if total + sum(1 for p in self.queue if p.is_open) >= self.cfg.max_sessions:
             return self.refuse(
@@ -144,21 +157,31 @@ class Admission:
     def rejected(self) -> int:
         return sum(self.refused.values())
 
-    def queued_for(self, owner: str) -> int:
-        return sum(1 for p in self.queue if p.owner == owner and p.is_open)
+    def queued_for(self, owner: str, model: str | None = None) -> int:
+        return sum(1 for p in self.waiting(model) if p.owner == owner and p.is_open)
+
+    def waiting(self, model: str | None) -> list[Pending]:
+        """What waits for a slab of `model` (None: all; one waiting for any
+        model, before a worker registered, waits for each)."""
+        return [p for p in self.queue if None in (model, p.model) or p.model == model]
 
     def next_admitted(self, registry: Registry, now: float) -> tuple[Pending, WorkerEntry] | None:
-        """Take the queue's first (by priority, aged) if a slab is free for it."""
-        if not self.queue:
-            return None
+        """Take a model's first in the queue (by priority, aged) if a slab of
+        its model is free for it; each model's first is tried, so a model
+        without a free slab holds back only its own."""
         aging = self.cfg.priority_aging_s
-        pending = max(self.queue, key=lambda p: (p.priority + (now - p.enqueued) / aging, -p.enqueued))
-        worker = registry.place(pending.store, pending.prefer)
-        if worker is None:
-            return None
-        self.queue.remove(pending)
-        self.waits.append(now - pending.enqueued)
-        return pending, worker
+        tried: set[str | None] = set()
+        order = sorted(self.queue, key=lambda p: (p.priority + (now - p.enqueued) / aging, -p.enqueued), reverse=True)
+        for pending in order:
+            if pending.model in tried:
+                continue
+            tried.add(pending.model)
+            worker = registry.place(pending.store, pending.prefer, pending.model)
+            if worker is not None:
+                self.queue.remove(pending)
+                self.waits.append(now - pending.enqueued)
+                return pending, worker
+        return None
 
     def timed_out(self, now: float) -> list[Pending]:
         """Remove and return the opens that waited their longest (the caller
@@ -202,6 +225,10 @@ class Admission:
     def wait_percentiles(self) -> tuple[float, float]:
         """(p50, p99) of recent queue waits in seconds; 0 when none queued."""
         return percentiles(self.waits)
+
+
+def _of(model: str | None) -> str:
+    return f" of {model}" if model else ""
 
 
 def priority(sampling: Sampling | None, default: int = 0) -> int:

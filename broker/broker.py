@@ -67,6 +67,7 @@ from .config import BrokerConfig
 from .heap import HeapTrimmer
 from .lifecycle import Lifecycle
 from .metrics import Metrics
+from .models import Models
 from .openings import Openings
 from .outbox import ADMIN, Outbox, Sent
 from .registry import Registry, Request, SessionEntry, State, WorkerEntry
@@ -142,6 +143,7 @@ class Broker:
         # A worker re-registering reconnects under the same routing id: let
         # the new connection take it over from the dead one.
         self.backend.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.models = Models(cfg)  # its local workers' models, the default first, and which are resident
         self.registry = Registry()
         self.admission = Admission(cfg)
         self.openings = Openings()
@@ -295,11 +297,12 @@ class Broker:
             if now - worker.last_seen > deadline:
                 self._lose_worker(worker, f"silent for {now - worker.last_seen:.1f}s")
         for pending in self.admission.timed_out(now):
-            if self.registry.workers:
+            if any(w.runs(pending.model) for w in self.registry.workers.values()):
                 why = f"no slab freed within {pending.deadline - pending.enqueued:g}s"
                 self._refuse(pending.route, pending.request_id, OverloadReason.QUEUE_TIMEOUT, why, pending.session_id)
             else:
-                why = f"no worker registered within {pending.deadline - pending.enqueued:g}s"
+                of = f" of {pending.model}" if pending.model else ""
+                why = f"no worker{of} registered within {pending.deadline - pending.enqueued:g}s"
                 self._refuse(pending.route, pending.request_id, OverloadReason.NO_WORKER, why, pending.session_id)
         sweep = now >= self._next_sweep  # scans of every session: once a second, not every tick
         if sweep:
@@ -308,6 +311,7 @@ class Broker:
                 self.exit_code = 1
                 return True
             self.lifecycle.keep_budget()
+            self.models.sweep(now, self.registry, self.admission)
         for session in self.admission.idle(self.registry, now) if sweep else ():
             self.admission.expired += 1
             self.metrics.expired.labels("idle").inc()
@@ -403,11 +407,15 @@ class Broker:
         body = encode(msgspec.structs.replace(request, client_name=owner))
         pending = Pending(route, request_id, body, owner, frame.now, frame.now, priority=priority(request.sampling))
         pending.traceparent = request.traceparent
+        pending.model = self.models.resolve(request.model, self.registry)
         if request.fork is not None:  # on a worker that reads its session's record, its own when it has a slab
             source = self.registry.sessions.get(request.fork.session_id)
             if source is None or source.ending is not None or not frame.owns(source):
                 raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {request.fork.session_id} to fork")
-            pending.store, pending.prefer = source.store, source.worker
+            if request.model is not None and pending.model != source.model:
+                why = f"session {source.session_id} runs {source.model}: its fork cannot run {pending.model}"
+                raise ProtocolError(ErrorCode.INVALID_ARGUMENT, why)
+            pending.store, pending.prefer, pending.model = source.store, source.worker, source.model
         else:  # beside the sessions that opened as it does: the worker holds that opening's prefix
             pending.opening = self.openings.key(request)
             pending.prefer = self.openings.worker(pending.opening, list(self.registry.workers.values()))
@@ -416,7 +424,8 @@ class Broker:
     def place(self, pending: Pending, request, now: float) -> None:
         """An OPEN, or a call on a hibernated session: onto a worker's free
         slab now, into the queue (a slab frees soon), or refused."""
-        starting = self.cfg.workers > 0  # the daemon's own workers will register
+        self.models.want(pending.model, now, self.registry, self.admission)  # loaded on demand
+        starting = self.models.starting(pending.model)  # the daemon's own workers of it will register
         decision = self.admission.decide(self.registry, pending, request, now, workers_starting=starting)
         if isinstance(decision, Refusal):
             self._send_refusal(pending.route, pending.request_id, decision, pending.session_id)
@@ -427,6 +436,7 @@ class Broker:
 
     def _admit(self, pending: Pending, worker: WorkerEntry, queued: bool = False) -> None:
         self._trace_admission(pending, worker, queued)
+        self.models.touch(worker.ready.model, time.monotonic())
         if pending.is_open:
             session_id = uuid.uuid4().hex
             self.admission.admitted += 1
@@ -471,6 +481,7 @@ class Broker:
             )
         session.last_active = frame.now
         session.route = frame.route
+        self.models.touch(session.model, frame.now)
         if session.state is State.HIBERNATING:  # it is on its way to the store: this waits for the answer
             session.held.append(frame)
             return
@@ -660,6 +671,7 @@ class Broker:
             log.warning("bad_worker_ready", worker=identity.hex(), slabs=ready.slabs, free=ready.free_slabs)
             return
         worker = self.registry.add_worker(identity, ready, now)
+        self.models.registered(ready.model, now)
         for session_id in ready.sessions:
             self.lifecycle.adopt(worker, session_id, now)
         for head in ready.stored:
@@ -678,6 +690,7 @@ class Broker:
     def _on_reply(
         self, worker: WorkerEntry, route: bytes, env: Envelope, env_raw: bytes, body: bytes, now: float
     ) -> None:
+        self.models.touch(worker.ready.model, now)  # idle counts from its last reply
         req = self.registry.requests.get((route, env.request_id))
         if req is None or req.worker is not worker:
             # A late reply to a request already failed (its worker was lost
@@ -972,6 +985,10 @@ class Broker:
             restore_p50_s=restore_p50,
             restore_p99_s=restore_p99,
             store_bytes=self.lifecycle.store_size(),
+            models=self.models.stats(reg, now),
+            max_resident_bytes=self.models.budget if self.models.declared else 0,
+            model_loads=self.models.loads,
+            model_unloads=self.models.unloads,
             store_error=self.store_error,
             endpoints=self.endpoints,
         )

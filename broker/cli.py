@@ -5,6 +5,7 @@ given another (drain needs admin; sessions there lists every session)."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,17 @@ def keys_new(
     typer.echo(f"public key  {keys.public_key(public).decode()}\nwrote       {public}\nsecret      {secret} (0600)")
 
 
-@with_options(SETTINGS)
+@with_options(tuple(s for s in SETTINGS if s.name != "model"))  # --model is serve's own: it may repeat
 def serve(
     config: Path | None = typer.Option(
         None, "--config", help="TOML file with any of the settings below (options given here win)."
+    ),
+    model: list[str] | None = typer.Option(
+        None,
+        "--model",
+        help="A model its workers serve (GGUF file, mlx-lm directory or packaged model name); repeat it for"
+        " several, the first the default.",
+        show_default="embedded SmolLM2-135M-Instruct",
     ),
     **settings: Any,
 ) -> None:
@@ -62,6 +70,7 @@ def serve(
     logs.configure()
     tracing.setup("kvmux-broker")
     log = logs.get("broker")
+    settings["model"] = model
     try:
         cfg = load(config, **settings)
     except ConfigError as exc:
@@ -72,7 +81,7 @@ def serve(
     except (StoreError, ValueError) as exc:  # the store unreachable, misnamed, or another broker's
         typer.echo(f"kvmux serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    local = LocalWorkers(cfg, broker.auth)
+    local = LocalWorkers(cfg, broker.models.declared, broker.auth)
     broker.on_tick = local.check
     broker.reload_from = lambda: load(config, **settings)
     try:
@@ -94,6 +103,7 @@ def serve(
     signal.signal(signal.SIGHUP, lambda *_: broker.request_reload())
     try:
         local.start(broker.backend_endpoint)
+        broker.models.start(local, time.monotonic())
         code = broker.run()
     finally:
         local.stop()
@@ -229,6 +239,22 @@ def format_prefixes(c) -> str:
     return f"{c.hits} hits {c.misses} misses, {c.tokens} tokens, {_size(c.bytes)} held"
 
 
+def format_models(s) -> list[str]:
+    """Each model the daemon serves: its state, memory and aliases; the budget and its loads and unloads."""
+    if not s.models:
+        return []
+    budget = f"budget {_size(s.max_resident_bytes)}  " if s.max_resident_bytes else ""
+    lines = [f"models: {budget}loads {s.model_loads}  unloads {s.model_unloads}"]
+    for m in s.models:
+        marks = [mark for mark, on in (("default", m.default), ("pinned", m.pinned)) if on]
+        aliases = f"  aka {', '.join(m.aliases)}" if m.aliases else ""
+        memory = f"  {_size(m.resident_bytes)}" if m.resident_bytes else ""
+        idle = f"  idle {m.idle_s:.0f}s" if m.idle_s else ""
+        flags = f" ({', '.join(marks)})" if marks else ""
+        lines.append(f"  {m.model}{flags}: {m.state}, {m.workers} workers{memory}{idle}{aliases}")
+    return lines
+
+
 def format_stats(s) -> str:
     """BrokerStats as a short summary and one row per worker."""
     lines = [
@@ -240,6 +266,7 @@ def format_stats(s) -> str:
         f"store: live {s.sessions_live}  hibernated {s.sessions_hibernated}  hibernations {s.hibernations}"
         f"  restores {s.restores} (p50 {s.restore_p50_s * 1000:.1f} ms  p99 {s.restore_p99_s * 1000:.1f} ms)"
         f"  {_size(s.store_bytes)} on disk" + (f"  UNREACHABLE: {s.store_error}" if s.store_error else ""),
+        *format_models(s),
         "",
     ]
     header = (

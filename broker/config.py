@@ -19,7 +19,7 @@ import msgspec
 
 from kvmux import keys, paths, settings
 from kvmux.protocol import DEFAULT_MAX_FRAME_BYTES, HEARTBEAT_LIVENESS
-from kvmux.settings import AtLeastOne, Count, NonNegative, Positive, WorkerSettings, doc
+from kvmux.settings import AtLeastOne, Count, ModelSpec, NonNegative, Positive, WorkerSettings, doc
 
 
 class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
@@ -31,6 +31,30 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     worker_args: Annotated[
         list[str], doc('Extra `kvmux worker` options for local workers, e.g. `["--window", "512"]`.')
     ] = msgspec.field(default_factory=list)
+    models: Annotated[
+        list[ModelSpec],
+        doc(
+            "The models its local workers serve, the first the default: `[[models]]` tables (path, aliases, slabs,"
+            ' window, pipeline, chat_template, draft_model: docs/operations.md, "Several models"), or `--model`'
+            " given more than once.",
+            "one: `model`",
+        ),
+    ] = msgspec.field(default_factory=list)
+    idle_unload_s: Annotated[
+        NonNegative,
+        doc(
+            "Unload a model (stop its workers; its sessions hibernate first) idle this long; 0: never. It loads"
+            " again when a session asks for it."
+        ),
+    ] = 0.0
+    max_resident_bytes: Annotated[
+        Count,
+        doc(
+            "Memory the models' workers may hold together: loading one past it first unloads the least recently"
+            " used (never a pinned one, nor one running requests).",
+            "the machine's memory less 20 % (at least 1 GiB)",
+        ),
+    ] = 0
     # sockets
     frontend: Annotated[
         str, doc("Client endpoint to bind.", "$KVMUX_ENDPOINT, else frontend.ipc in the runtime dir")
@@ -68,7 +92,7 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     admission: Annotated[
         Literal["reject", "queue"], doc("What an open gets when every slab is busy running a request.")
     ] = "reject"
-    queue_depth: Annotated[Count, doc("Most opens waiting in the queue at once.")] = 64
+    queue_depth: Annotated[Count, doc("Most opens waiting in the queue at once, per model.")] = 64
     queue_wait_s: Annotated[Positive, doc("Longest an open waits in the queue for a slab.")] = 30.0
     priority_aging_s: Annotated[
         Positive, doc("In the queue, each this many seconds waited count as one level of priority.")
@@ -76,8 +100,8 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     client_quota: Annotated[
         Count,
         doc(
-            "Sessions (live and hibernated) per client identity: its CURVE key, else its client_name,"
-            " else its connection; 0: no quota."
+            "Sessions (live and hibernated) per client identity and model: its CURVE key, else its"
+            " client_name, else its connection; 0: no quota."
         ),
     ] = 1000
     idle_timeout_s: Annotated[NonNegative, doc("Close sessions idle this long; 0: never.")] = 0.0
@@ -147,6 +171,19 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
         if not self.admin_endpoint.startswith("ipc://"):
             raise ValueError(f"admin_endpoint: {self.admin_endpoint} is not ipc:// (admin is local only)")
         self._check_security()
+        self._check_models()
+
+    def _check_models(self) -> None:
+        if not self.models:
+            return
+        if self.model is not None:
+            raise ValueError("models: give `model` (one) or [[models]], not both")
+        if self.workers == 0:
+            raise ValueError("models: [[models]] are served by local workers: workers must be at least 1")
+        names = [name for spec in self.models for name in (spec.path, *spec.aliases)]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"models: {', '.join(twice)} named more than once")
 
     def _check_security(self) -> None:
         for name in ("client_keys", "worker_keys", "admin_keys"):
@@ -175,8 +212,15 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
 
 
 def load(path: Path | None = None, **overrides: Any) -> BrokerConfig:
-    """The daemon's settings: `path`'s (TOML) if given, then the non-None `overrides`."""
-    return settings.load(BrokerConfig, path, **overrides)
+    """The daemon's settings: `path`'s (TOML) if given, then the non-None
+    `overrides`. `kvmux serve`'s --model may repeat (a list): once it is
+    `model`, more often `models`."""
+    given = overrides.pop("model", None)
+    if isinstance(given, list | tuple):
+        if len(given) > 1:
+            overrides["models"] = [{"path": model} for model in given]
+        given = given[0] if len(given) == 1 else None
+    return settings.load(BrokerConfig, path, model=given, **overrides)
 
 
 SETTINGS = settings.declared(BrokerConfig)

@@ -155,6 +155,7 @@ class Lifecycle:
         self.sends.check_unique(route, env.request_id)
         pending = Pending(route, env.request_id, frame.body, session.owner, frame.now, frame.now)
         pending.session_id, pending.env_raw, pending.store = session.session_id, frame.env_raw, session.store
+        pending.model = session.model  # restored only where its model runs (durable.restorable checks it too)
         request = decode_body(env.op, frame.body)  # its priority, or its session's
         pending.priority = priority(request if env.op == Op.GENERATE else None, session.priority)
         pending.traceparent = getattr(request, "traceparent", None)  # (APPEND's and GENERATE's)
@@ -341,10 +342,12 @@ class Lifecycle:
         idle past `hibernate_after_s` (on a `sweep` tick, not while
         draining): least recently used first."""
         sessions = self.registry.sessions.values()
-        in_flight = sum(1 for s in sessions if s.state is State.HIBERNATING)
-        wanted = [p for p in self.admission.queue if self.registry.place(p.store) is None]
-        if len(wanted) > in_flight and self.registry.workers:
-            for session, waiting in zip(self.registry.idle_live(wanted[0].store), wanted[in_flight:], strict=False):
+        wanted = [p for p in self.admission.queue if self.registry.place(p.store, model=p.model) is None]
+        for model in dict.fromkeys(p.model for p in wanted) if self.registry.workers else ():
+            mine = [p for p in wanted if p.model == model]
+            in_flight = sum(1 for s in sessions if s.state is State.HIBERNATING and model in (None, s.model))
+            idle = self.registry.idle_live(mine[0].store, model)
+            for session, waiting in zip(idle, mine[in_flight:], strict=False):
                 self._send_hibernate(session, waiting.traceparent)
         limit = self.cfg.hibernate_after_s
         if sweep and limit and not draining:

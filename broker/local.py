@@ -30,6 +30,7 @@ from kvmux.worker.preload import CPU_THREADS_ENV, openblas_path
 
 from .auth import Auth
 from .config import BrokerConfig
+from .models import Declared
 
 log = logs.get("broker")
 
@@ -44,10 +45,12 @@ class _Slot:
     started again."""
 
     index: int
+    model: Declared
     procs: list[subprocess.Popen] = field(default_factory=list)
     hostfile: str | None = None  # a group's ring hostfile
     restart_at: float | None = None
     crashes: deque[float] = field(default_factory=deque)
+    unloading: bool = False  # stopped for its model's unload: its exit is no crash, and it is not restarted
 
     def exited(self) -> int | None:
         """The worker's exit code once any of its processes has exited
@@ -80,28 +83,30 @@ def _ring_hosts(ranks: int) -> str:
 
 
 class LocalWorkers:
-    def __init__(self, cfg: BrokerConfig, auth: Auth | None = None) -> None:
+    def __init__(self, cfg: BrokerConfig, models: list[Declared], auth: Auth | None = None) -> None:
         self.cfg = cfg
         self.auth = auth  # with CURVE on a tcp backend, the workers' key pair
         self.backend = ""
-        self.slots = [_Slot(i) for i in range(cfg.workers)]
+        # `workers` of each declared model
+        self.slots = [_Slot(i, models[i // cfg.workers]) for i in range(cfg.workers * len(models))]
         self.stopping = False
 
-    def command(self, index: int) -> list[str]:
-        """`kvmux worker` with the daemon's WorkerSettings, then its worker_args (which win)."""
+    def command(self, slot: _Slot) -> list[str]:
+        """`kvmux worker` with the daemon's WorkerSettings, its model's settings
+        over them, then its worker_args (which win)."""
         cfg = self.cfg
         cmd = [sys.executable, "-m", "kvmux.commands.cli", "worker", "--connect", self.backend]
-        cmd += ["--worker-id", f"local-{index}"]
+        cmd += ["--worker-id", f"local-{slot.index}"]
         for setting in settings.declared(settings.WorkerSettings):
             cmd += setting.argv(getattr(cfg, setting.name))
-        return cmd + list(cfg.worker_args)
+        return cmd + slot.model.worker_argv() + list(cfg.worker_args)
 
     def env(self) -> dict[str, str]:
         """Each worker's BLAS and CPU kernel get its share of the cores: N pools of one
         thread per core would oversubscribe the machine N times. OpenBLAS is
         preloaded here so the worker need not re-execute itself to get it."""
         env = dict(os.environ)
-        processes = max(1, self.cfg.workers) * self.cfg.pipeline
+        processes = max(1, sum(s.model.spec.pipeline or self.cfg.pipeline for s in self.slots))
         share = str(max(1, (os.cpu_count() or 1) // processes))
         env.setdefault("OPENBLAS_NUM_THREADS", share)
         env.setdefault(CPU_THREADS_ENV, share)
@@ -113,16 +118,43 @@ class LocalWorkers:
         return env
 
     def start(self, backend: str) -> None:
+        """Where its workers will connect; broker/models.py loads their models."""
         self.backend = backend
-        for slot in self.slots:
-            self._spawn(slot)
+
+    def _of(self, model_id: str) -> list[_Slot]:
+        return [slot for slot in self.slots if slot.model.model_id == model_id]
+
+    def load(self, model_id: str) -> None:
+        """Start its model's workers that do not run."""
+        for slot in self._of(model_id):
+            if not slot.procs and not self.stopping:
+                slot.unloading = False
+                self._spawn(slot)
+
+    def unload(self, model_id: str) -> None:
+        """SIGTERM its model's workers: they snapshot their sessions (which
+        hibernate) and exit, not restarted until it is loaded again."""
+        for slot in self._of(model_id):
+            slot.unloading, slot.restart_at = True, None
+            if slot.procs and slot.procs[0].poll() is None:
+                slot.procs[0].terminate()
+
+    def running(self, model_id: str) -> bool:
+        """Its model's workers run, or will again after a crash's backoff."""
+        return any(slot.procs or slot.restart_at is not None for slot in self._of(model_id))
+
+    def unloading(self, model_id: str) -> bool:
+        return any(slot.unloading and slot.procs for slot in self._of(model_id))
+
+    def pids(self, model_id: str) -> list[int]:
+        return [proc.pid for slot in self._of(model_id) for proc in slot.procs if proc.poll() is None]
 
     def _spawn(self, slot: _Slot) -> None:
         # Own process group: Ctrl-C in the terminal reaches the broker only,
         # which then drains and stops the workers in order. preexec_fn only
         # calls prctl: no locks a thread could hold.
-        cmd, env = self.command(slot.index), self.env()
-        ranks = self.cfg.pipeline
+        cmd, env = self.command(slot), self.env()
+        ranks = slot.model.spec.pipeline or self.cfg.pipeline
         if ranks > 1:
             env["MLX_HOSTFILE"] = slot.hostfile = _ring_hosts(ranks)
         slot.procs = []
@@ -131,7 +163,7 @@ class LocalWorkers:
                 env["MLX_RANK"] = str(rank)
             slot.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509
         slot.restart_at = None
-        log.info("local_worker_started", index=slot.index, pids=[proc.pid for proc in slot.procs])
+        log.info("local_worker_started", index=slot.index, model=slot.model.model_id, pids=[p.pid for p in slot.procs])
 
     def check(self) -> bool:
         """Restart workers that exited, when their backoff allows; False once
@@ -141,6 +173,9 @@ class LocalWorkers:
             code = slot.exited() if slot.procs and not self.stopping else None
             if code is not None:
                 slot.procs = []
+                if slot.unloading:
+                    log.info("local_worker_unloaded", index=slot.index, model=slot.model.model_id, returncode=code)
+                    continue
                 if code == 0:  # it drained on its own (SIGTERM to it alone): not a crash
                     log.warning("local_worker_stopped", index=slot.index)
                     continue

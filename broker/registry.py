@@ -46,6 +46,10 @@ class WorkerEntry:
     def free_slabs(self) -> int:
         return max(0, self.ready.slabs - self.foreign - len(self.sessions) - self.opening)
 
+    def runs(self, model: str | None) -> bool:
+        """It runs `model` (None: any)."""
+        return model is None or model == self.ready.model
+
 
 class State(enum.Enum):
     """Where a session is, as the broker knows it. Every change is a
@@ -97,6 +101,11 @@ class SessionEntry:
     held: list[Any] = field(default_factory=list)  # ClientFrames that came while it hibernated
     names: set[str] = field(default_factory=set)  # its named points (Mark), in Registry.names
     priority: int = 0  # its open's Sampling.priority: its calls' default in the admission queue
+
+    @property
+    def model(self) -> str:
+        """The model it runs on: only workers running it hold or restore it."""
+        return self.opened.model
 
     @property
     def live(self) -> bool:
@@ -177,11 +186,15 @@ class Registry:
                 self.drop_session(session.session_id, ErrorCode.WORKER_LOST, lost_why)
         return lost
 
-    def place(self, store: str | None = None, prefer: WorkerEntry | None = None) -> WorkerEntry | None:
-        """`prefer` if it can take it, else the worker with the most free
-        slabs that takes sessions (and reads `store`, for a restore)."""
+    def place(
+        self, store: str | None = None, prefer: WorkerEntry | None = None, model: str | None = None
+    ) -> WorkerEntry | None:
+        """`prefer` if it can take it, else the worker of `model` with the
+        most free slabs that takes sessions (and reads `store`, for a restore)."""
         candidates = [
-            w for w in self.workers.values() if not w.draining and w.free_slabs > 0 and store in (None, w.ready.store)
+            w
+            for w in self.workers.values()
+            if not w.draining and w.free_slabs > 0 and store in (None, w.ready.store) and w.runs(model)
         ]
         if prefer in candidates:
             return prefer
@@ -191,13 +204,21 @@ class Registry:
         """A worker that reads `store` (for a record the broker does not)."""
         return next((w for w in self.workers.values() if w.ready.store == store), None)
 
-    def idle_live(self, store: str | None = None) -> list[SessionEntry]:
-        """Live sessions with nothing running or on its way, least recently
-        used first: the ones to hibernate when a slab is needed."""
+    def models(self) -> list[str]:
+        """The models its workers run, the first registered first: that one is the default."""
+        return list(dict.fromkeys(w.ready.model for w in self.workers.values()))
+
+    def idle_live(self, store: str | None = None, model: str | None = None) -> list[SessionEntry]:
+        """Live sessions (of `model`) with nothing running or on its way,
+        least recently used first: the ones to hibernate when a slab is needed."""
         idle = [
             s
             for s in self.sessions.values()
-            if s.state is State.LIVE and s.in_flight == 0 and not s.ending and store in (None, s.worker.ready.store)
+            if s.state is State.LIVE
+            and s.in_flight == 0
+            and not s.ending
+            and store in (None, s.worker.ready.store)
+            and model in (None, s.model)
         ]
         return sorted(idle, key=lambda s: s.last_active)
 
@@ -299,11 +320,17 @@ class Registry:
             while len(self.gone) > _GONE_MEMORY:
                 self.gone.popitem(last=False)
 
-    def live_sessions_of(self, owner: str) -> int:
-        """Sessions (live and hibernated) and opens in flight counted against
-        `owner`'s quota."""
-        opening = sum(1 for r in self.requests.values() if r.op == Op.OPEN and r.owner == owner and not r.orphaned)
-        return opening + sum(1 for s in self.sessions.values() if s.owner == owner and s.ending is None)
+    def live_sessions_of(self, owner: str, model: str | None = None) -> int:
+        """Sessions (live and hibernated) and opens in flight of `model`
+        (None: every model) counted against `owner`'s quota."""
+        opening = sum(
+            1
+            for r in self.requests.values()
+            if r.op == Op.OPEN and r.owner == owner and not r.orphaned and r.worker.runs(model)
+        )
+        return opening + sum(
+            1 for s in self.sessions.values() if s.owner == owner and s.ending is None and model in (None, s.model)
+        )
 
     # ----------------------------------------------------------- requests
 

@@ -20,12 +20,14 @@ def chat(
     max_tokens: int = typer.Option(512, min=1, help="Longest reply."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
     window: int | None = typer.Option(None, min=1, help="Sliding window of the session (tokens)."),
+    model: str | None = typer.Option(None, help="The model to chat with (default: the daemon's)."),
 ) -> None:
     """Chat with the daemon from the terminal."""
     from kvmux.client import Client, KvmuxError
 
     def open_session(client: Client):
-        return client.open_session(system=system, window=window) if window else client.open_session(system=system)
+        options = {"window": window} if window else {}
+        return client.open_session(system=system, model=model, **options)
 
     with Client(endpoint or default_frontend()) as client:
         session = open_session(client)

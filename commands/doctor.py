@@ -59,7 +59,7 @@ def doctor(
     model: Path | None = typer.Option(None, help="A GGUF file to check: would a worker load it (`--model`)?"),
 ) -> None:
     """Check the installation and the running daemon; exit 1 if something is wrong."""
-    from kvmux.broker.cli import format_compute
+    from kvmux.broker.cli import format_compute, format_models
     from kvmux.worker.preload import cpu_flags, openblas_path, preloaded
 
     ok = True
@@ -131,6 +131,11 @@ def doctor(
         line(f"worker {w.worker_id} passes", format_compute(w.compute))
     if not stats.workers:
         line("workers", "none registered", False)
+    if stats.models:  # each model's state, memory and aliases; the budget they load within
+        head, *models = format_models(stats)
+        line("models", head.removeprefix("models: "))
+        for m, text in zip(stats.models, models, strict=True):
+            line(f"model {m.model}", text.strip().removeprefix(m.model).removeprefix(": "))
     raise typer.Exit(0 if ok else 1)
 
 

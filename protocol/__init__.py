@@ -26,6 +26,7 @@ from .codec import (  # noqa: F401  (the package re-exports its API)
 from .errors import (  # noqa: F401
     ErrorCode,
     FormatType,
+    ModelState,
     OverloadReason,
     PrefixMode,
     SpeculativeMode,

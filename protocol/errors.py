@@ -29,6 +29,7 @@ class ErrorCode(_Code):
     CANCELLED = "cancelled"
     VERSION_MISMATCH = "version_mismatch"
     FRAME_TOO_LARGE = "frame_too_large"
+    MODEL_NOT_FOUND = "model_not_found"  # an OPEN named a model no worker of the daemon runs
     TIMEOUT = "timeout"  # client side: no answer within the call's timeout
     INTERNAL = "internal"
 
@@ -89,3 +90,11 @@ class PrefixMode(_Code):
     AUTO = "auto"  # take the longest one stored or held; keep the opening for the next session
     PIN = "pin"  # take one, and store the opening's own prefix at once, kept past evictions
     OFF = "off"  # neither: the opening is prefilled cold and kept nowhere
+
+
+class ModelState(_Code):
+    """ModelStats.state: where a model the daemon serves is."""
+
+    RESIDENT = "resident"  # a worker of it is registered
+    LOADING = "loading"  # its local workers are starting
+    UNLOADED = "unloaded"  # declared, no worker of it runs

@@ -145,6 +145,9 @@ class OpenSession(_Body):
     # prefix another session computed, and is kept for the next), pin (its prefix is stored
     # at once and kept past the budget's evictions) or off (neither: prefilled cold).
     prefix: str | None = None
+    # The model the session runs on: a worker's model id or an alias it declares; None: the
+    # daemon's default (its first worker's model). One it does not have: `model_not_found`.
+    model: str | None = None
 
 
 class Append(_Body):
@@ -483,6 +486,19 @@ class Refused(msgspec.Struct, kw_only=True):
     count: int
 
 
+class ModelStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A model the daemon serves: one it declares, or one a registered worker runs."""
+
+    model: str  # its id, as its workers' READY says it (OpenSession.model)
+    aliases: list[str] = []  # other names an open may give it
+    state: str  # a ModelState value: resident, loading, unloaded
+    workers: int = 0  # its registered workers
+    default: bool = False  # an open that names no model runs on it
+    pinned: bool = False  # never unloaded
+    resident_bytes: int = 0  # its local workers' resident memory (0: none runs, or not the daemon's own)
+    idle_s: float = 0.0  # since a request last used it (0: the daemon's own have not yet)
+
+
 class Endpoint(msgspec.Struct, omit_defaults=True):
     """One of the broker's endpoints and who can reach it."""
 
@@ -518,6 +534,10 @@ class BrokerStats(Reply, tag="stats"):
     store_bytes: int = 0
     store_error: str = ""  # why the session store failed its last check ("" while it answers)
     endpoints: list[Endpoint] = []
+    models: list[ModelStats] = []  # the default first
+    max_resident_bytes: int = 0  # the memory budget its models load within (0: it loads none of its own)
+    model_loads: int = 0
+    model_unloads: int = 0
 
 
 class Error(Reply, tag="error"):

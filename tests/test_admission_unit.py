@@ -5,6 +5,7 @@ open fail."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvmux.broker.admission import Admission, Pending, Refusal, percentiles
@@ -186,3 +187,44 @@ def test_percentiles():
     assert percentiles([]) == (0.0, 0.0)
     assert percentiles([2.0]) == (2.0, 2.0)
     assert percentiles([float(i) for i in range(101)]) == (50.0, 99.0)
+
+
+def test_each_model_is_admitted_and_queued_on_its_own():
+    """A model whose only slab runs holds back its own opens, never another
+    model's: a second model's open is admitted at once, and served first
+    from the queue when its slab frees though the first model's waited longer."""
+    reg, adm = Registry(), Admission(BrokerConfig(admission="queue", queue_depth=1))
+    small = reg.add_worker(b"w1", ready(slabs=1), now=0.0)
+    big = reg.add_worker(b"w2", msgspec.structs.replace(ready(slabs=1), model="g"), now=0.0)
+    busy(reg, small)
+    waiting = pending(request_id=2)
+    waiting.model = "m"
+    assert adm.decide(reg, waiting, OpenSession(), 0.0) is waiting
+    other = pending(request_id=3)
+    other.model = "g"
+    assert adm.decide(reg, other, OpenSession(), 1.0) is big  # m's queue is not g's
+    full_m = pending(request_id=4)
+    full_m.model = "m"
+    refused = adm.decide(reg, full_m, OpenSession(), 1.0)
+    assert isinstance(refused, Refusal) and refused.reason is OverloadReason.QUEUE_FULL  # depth counts per model
+    reg.track(b"c0", 99, Op.OPEN, big, "x")
+    later = pending(request_id=5)
+    later.model = "g"
+    assert adm.decide(reg, later, OpenSession(), 2.0) is later
+    reg.finish(reg.requests[(b"c0", 99)])
+    assert adm.next_admitted(reg, 3.0) == (later, big)  # m's first still has no slab: g's is served
+    assert adm.next_admitted(reg, 3.0) is None and list(adm.queue) == [waiting]
+
+
+def test_the_client_quota_counts_per_model():
+    reg, adm = Registry(), Admission(BrokerConfig(client_quota=1))
+    reg.add_worker(b"w1", ready(slabs=2), now=0.0)
+    gemma = reg.add_worker(b"w2", msgspec.structs.replace(ready(slabs=2), model="g"), now=0.0)
+    add(reg, "s1", reg.workers[b"w1"], owner="alice")  # alice's one session of "m"
+    again = pending()
+    again.model = "m"
+    refused = adm.decide(reg, again, OpenSession(), 0.0)
+    assert isinstance(refused, Refusal) and refused.reason is OverloadReason.QUOTA and "of m" in refused.message
+    other = pending(request_id=2)
+    other.model = "g"
+    assert adm.decide(reg, other, OpenSession(), 0.0) is gemma

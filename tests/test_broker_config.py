@@ -3,6 +3,7 @@ key; and the queue-wait percentiles reported in stats."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -98,3 +99,23 @@ def test_batch_invariant_from_toml_reaches_the_local_workers(tmp_path):
         assert "none (off); OpenBLAS Haswell, batch-invariant: exact, decode rows one at a time" in doctor.stdout, (
             doctor.stdout
         )
+
+
+def test_models_are_declared_once_and_checked(tmp_path):
+    """[[models]], or --model repeated (once: `model`, as ever); a model
+    beside [[models]], a name given twice, [[models]] without local workers
+    and a key a model does not take are refused by name."""
+    cfg = load(model=("a.gguf", "b.gguf"))
+    assert [m.path for m in cfg.models] == ["a.gguf", "b.gguf"] and cfg.model is None
+    cfg = load(model=("a.gguf",))
+    assert cfg.model == "a.gguf" and cfg.models == []
+    path = tmp_path / "kvmux.toml"
+    for toml, why in (
+        ('model = "a.gguf"\n[[models]]\npath = "b.gguf"\n', "give `model` (one) or [[models]], not both"),
+        ('[[models]]\npath = "a.gguf"\naliases = ["x"]\n[[models]]\npath = "b.gguf"\naliases = ["x"]\n', "x named"),
+        ('workers = 0\n[[models]]\npath = "a.gguf"\n', "workers must be at least 1"),
+        ('[[models]]\npath = "a.gguf"\nquantized = true\n', "unknown field `quantized`"),
+    ):
+        path.write_text(toml)
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            load(path)

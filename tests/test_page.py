@@ -232,12 +232,15 @@ def test_the_dashboard_counts_a_new_chat_on_a_phone_with_the_keyboard(gateway, b
         page.focus("#new-chat")
         page.keyboard.press("Enter")
         settings(page, temperature=0, max_tokens=8)
+        expect(page.locator("#model option")).to_have_count(2)  # the daemon's default, and its one model by name
+        page.select_option("#model", index=1)
         send(page, "Hi!")
         assert reply_lengths(page)[-1] > 0
 
         page.click("#tab-dashboard")
         expect(sessions).not_to_have_text(before, timeout=10_000)
         expect(page.locator("#workers tbody tr")).to_have_count(1)
+        expect(page.locator("#models tbody tr td").nth(1)).to_have_text("resident")
         expect(page.locator("#plot-ttft")).to_have_attribute("aria-label", re.compile(r"replies; last"))
         page.set_viewport_size({"width": 1200, "height": 820})
         page.wait_for_timeout(2500)  # a poll at this width: the plots redrawn

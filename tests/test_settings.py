@@ -18,6 +18,7 @@ from conftest import kvmux_command
 from kvmux import settings
 from kvmux.broker.config import SETTINGS, TABLE, load
 from kvmux.broker.local import LocalWorkers
+from kvmux.broker.models import declare
 from kvmux.commands.cli import app
 from kvmux.worker import cli as worker_cli
 from kvmux.worker.server import WorkerConfig
@@ -109,7 +110,7 @@ def test_every_setting_is_an_option_and_none_went_missing():
     options = options_of("serve")
     assert set(OPTIONS_BEFORE) <= options
     for setting in SETTINGS:
-        assert (setting.type is None) == (setting.name == "worker_args")  # a list is TOML only
+        assert (setting.type is None) == (setting.name in ("worker_args", "models"))  # a list is TOML only
         assert set(setting.option.split("/")) - {""} <= options
     options = options_of("worker")
     assert set(WORKER_OPTIONS_BEFORE) <= options
@@ -178,14 +179,14 @@ def test_a_local_worker_gets_the_daemons_worker_settings(tmp_path, monkeypatch):
         max_append_tokens=100,
         worker_args=["--window", "256", "--no-batch-invariant"],
     )
-    local = LocalWorkers(cfg)
+    local = LocalWorkers(cfg, declare(cfg))
     local.backend = f"ipc://{tmp_path}/b.ipc"
-    argv = local.command(1)
+    argv = local.command(local.slots[0])
     assert argv[:4] == [sys.executable, "-m", "kvmux.commands.cli", "worker"]
     monkeypatch.setenv("KVMUX_SERVER_KEY", "the-broker's")  # where a CURVE backend's local workers find it
     worker = settings.load(WorkerConfig, **command("worker").make_context("worker", argv[4:]).params)
     for setting in settings.declared(settings.WorkerSettings):
         if setting.name != "batch_invariant":
             assert getattr(worker, setting.name) == getattr(cfg, setting.name), setting.name
-    assert (worker.batch_invariant, worker.window, worker.worker_id) == (False, 256, "local-1")
+    assert (worker.batch_invariant, worker.window, worker.worker_id) == (False, 256, "local-0")
     assert (worker.connect, worker.server_key) == (local.backend, "the-broker's")

@@ -42,6 +42,7 @@ def test_every_frame_type_has_vectors():
         "WorkerStats",
         "SessionSummary",
         "Refused",
+        "ModelStats",
         "Endpoint",
         "ToolCall",
         "Tool",

@@ -164,9 +164,9 @@ async def _events(
 @answered(OPENAI)
 async def models(gateway: Gateway, request: Request) -> Response:
     stats = await gateway.client.stats()
-    data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "kvmux"}
-        for name in sorted({w.model for w in stats.workers})
+    data = [  # OpenAI's model objects, with where each model is (llama.cpp's router says it too)
+        {"id": m.model, "object": "model", "created": 0, "owned_by": "kvmux", "state": m.state, "aliases": m.aliases}
+        for m in stats.models
     ]
     return JSONResponse({"object": "list", "data": data})
 

@@ -24,13 +24,16 @@ from .gateway import PREFIX_HEADER, SESSION_HEADER, Gateway
 log = logs.get("http")
 
 
+DEFAULT_MODEL = "kvmux"  # what a request names for the daemon's default model (each API's default)
+
+
 @dataclass
 class Chat:
     """A request of any API as the chat it continues."""
 
     messages: list[dict]  # role, content, and a call's tool_calls ({id, name, arguments}) or a result's tool_call_id
     options: dict  # the generate's: sampling, stop, tools' choice, format, logprobs
-    model: str
+    model: str  # as the request names it: DEFAULT_MODEL is the daemon's default
     stream: bool = False
     template_kwargs: dict | None = None  # chat_template_kwargs, for a session it opens
     tools: list[p.Tool] = field(default_factory=list)  # for a session it opens
@@ -42,11 +45,18 @@ class Chat:
         is: a request with other template options or tools, or from another
         key, is another conversation."""
         context = {"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {}
+        if self.session_model is not None:
+            context["model"] = self.session_model
         if self.owner:
             context["owner"] = self.owner
         if self.tools:
             context["tools"] = [msgspec.to_builtins(t) for t in self.tools]
         return context or None
+
+    @property
+    def session_model(self) -> str | None:
+        """OpenSession.model: None for DEFAULT_MODEL (the daemon's default)."""
+        return None if self.model == DEFAULT_MODEL else self.model
 
 
 def options(**given: object) -> dict:
@@ -67,6 +77,7 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
     pinned = request.headers.get(SESSION_HEADER)  # another key's was refused on the way in (auth.Auth)
     if pinned:
         session = await client.resume_session(pinned)
+        await same_model(gateway, session, chat.session_model)
         last = max((i for i, m in enumerate(chat.messages) if m["role"] == "assistant"), default=-1)
         found = session, Bound(session.id, 0, pinned=True), chat.messages[last + 1 :]
     else:
@@ -81,10 +92,22 @@ async def find_session(gateway: Gateway, request: Request, chat: Chat):
             tools=chat.tools,
             priority=chat.options.get("priority"),
             prefix=prefix,
+            model=chat.session_model,
         )
         found = session, Bound(session.id, 0), messages[1:] if system is not None else messages
     found[0].detach()
     return found
+
+
+async def same_model(gateway: Gateway, session, named: str | None) -> None:
+    """A request that names a model (by id or alias) other than its pinned
+    session's is refused: that session would answer with its own model."""
+    model = session.opened.model
+    if named is None or named == model:
+        return
+    stats = await gateway.client.stats()
+    if named not in next((m.aliases for m in stats.models if m.model == model), []):
+        raise bad(f"session {session.id} runs {model}, not {named}", "model")
 
 
 def prefix_mode(request: Request) -> str | None:

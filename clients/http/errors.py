@@ -71,11 +71,13 @@ def from_kvmux(exc: errors.KvmuxError) -> HTTPError:
         p.ErrorCode.INVALID_ARGUMENT: 400,
         p.ErrorCode.FRAME_TOO_LARGE: 400,
         p.ErrorCode.SESSION_NOT_FOUND: 404,
+        p.ErrorCode.MODEL_NOT_FOUND: 404,
         p.ErrorCode.FORBIDDEN: 403,
         p.ErrorCode.BUSY: 409,
         p.ErrorCode.WORKER_LOST: 502,
     }.get(exc.code, 500)
-    return HTTPError(status, str(exc), "invalid_request_error" if status < 500 else "server_error", code)
+    param = "model" if exc.code == p.ErrorCode.MODEL_NOT_FOUND else None
+    return HTTPError(status, str(exc), "invalid_request_error" if status < 500 else "server_error", code, param=param)
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,11 @@ def _request(body: schemas.Responses) -> ResponseRequest:
 
 def _context(req: ResponseRequest, owner: str) -> str:
     """What a session is opened with: a response continues in its session
-    only with the same instructions and tools, from the same caller."""
+    only with the same instructions, tools and model, from the same caller."""
     tools = [msgspec.to_builtins(t) for t in req.chat.tools]
-    return hashlib.sha256(json.dumps([owner, req.instructions, tools], sort_keys=True).encode()).hexdigest()
+    model = [req.chat.session_model] if req.chat.session_model is not None else []  # the default's: as before
+    parts = [owner, req.instructions, tools, *model]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------ stored
@@ -210,6 +212,7 @@ async def _place(gateway: Gateway, request: Request, req: ResponseRequest, conte
         tools=req.chat.tools,
         prefix=prefix,
         priority=req.chat.options.get("priority"),
+        model=req.chat.session_model,
     )
     session.detach()
     return Placed(session, 0, opened=True)

@@ -89,6 +89,10 @@ class FrameTooLarge(KvmuxError):
     code = ErrorCode.FRAME_TOO_LARGE
 
 
+class ModelNotFound(KvmuxError):
+    code = ErrorCode.MODEL_NOT_FOUND
+
+
 class Timeout(KvmuxError, TimeoutError):
     """No reply within the call's timeout (a stream's: per frame)."""
 

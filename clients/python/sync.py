@@ -176,7 +176,8 @@ class Client(core.ClientCore):
         defaults (max_tokens, temperature, top_p, top_k, seed, stop, speculative,
         priority, or `sampling=`; priority also places the open in the queue), chat_template_kwargs (variables for the model's chat
         template, e.g. {"enable_thinking": False}), admission, queue_wait_s,
-        client_name, prefix (shared prefixes: "auto", "pin" or "off")."""
+        client_name, prefix (shared prefixes: "auto", "pin" or "off"), model (a
+        model the daemon runs, by id or alias; default: its default model)."""
         return self._run(self._open(system, timeout, options))
 
     def resume_session(self, session_id: str, *, timeout: float | None = None) -> Session:

@@ -8,7 +8,7 @@
 
   const $ = (id) => document.getElementById(id);
   const SESSION = "X-Kvmux-Session";
-  const DEFAULTS = { system: "", temperature: 0.7, top_p: 0.95, max_tokens: 512 };
+  const DEFAULTS = { system: "", temperature: 0.7, top_p: 0.95, max_tokens: 512, model: "kvmux" }; // kvmux: the daemon's default model
 
   // ------------------------------------------------------------- storage
   // This browser's conversations: their titles, durable session ids,
@@ -307,6 +307,8 @@
     const conv = active();
     for (const name of ["system", "temperature", "top_p", "max_tokens"]) $(name).value = conv[name];
     $("system").readOnly = Boolean(conv.session); // the session holds it since the first turn
+    $("model").value = conv.model ?? DEFAULTS.model;
+    $("model").disabled = Boolean(conv.session); // and runs on its model
   }
 
   function renderButtons() {
@@ -387,7 +389,7 @@
 
   async function post(conv, messages, pinned, signal) {
     const body = {
-      model: "kvmux",
+      model: conv.model ?? DEFAULTS.model,
       messages,
       stream: true,
       stream_options: { include_usage: true },
@@ -559,6 +561,10 @@
     const empty = conversations.find((c) => !c.messages.length);
     activate(empty ? empty.id : newConversation().id);
   });
+  $("model").addEventListener("change", () => {
+    active().model = $("model").value;
+    save();
+  });
   for (const name of ["system", "temperature", "top_p", "max_tokens"]) {
     $(name).addEventListener("input", () => {
       const conv = active();
@@ -605,6 +611,24 @@
     return box;
   }
 
+  // The model picker: the daemon's default, then each model it serves (GET /v1/models).
+  function renderModels(models) {
+    const chosen = $("model").value;
+    const options = [el("option", "the daemon's default"), ...models.map((m) => el("option", `${m.id} (${m.state})`))];
+    options[0].value = DEFAULTS.model;
+    models.forEach((m, n) => (options[n + 1].value = m.id));
+    $("model").replaceChildren(...options);
+    $("model").value = chosen || DEFAULTS.model;
+  }
+
+  async function refreshModels() {
+    try {
+      renderModels((await api("/v1/models")).data);
+    } catch {
+      // the picker keeps the default; the chat says what went wrong when it is used
+    }
+  }
+
   function renderDashboard({ broker, gateway, workers_gone }) {
     const refused = broker.refused.reduce((sum, r) => sum + r.count, 0);
     const prefixes = broker.workers.reduce(
@@ -642,6 +666,16 @@
       return row;
     });
     $("workers").tBodies[0].replaceChildren(...rows);
+    const budget = broker.max_resident_bytes ? `budget ${bytes(broker.max_resident_bytes)} · ` : "";
+    $("models-line").textContent = `${budget}${count(broker.model_loads)} loads, ${count(broker.model_unloads)} unloads`;
+    $("models").tBodies[0].replaceChildren(...broker.models.map((m) => {
+      const row = el("tr");
+      const marks = [m.default ? "default" : "", m.pinned ? "pinned" : ""].filter(Boolean).join(", ");
+      const cells = [m.model + (marks ? ` (${marks})` : ""), m.state, m.aliases.join(", ") || "–", String(m.workers),
+        m.resident_bytes ? bytes(m.resident_bytes) : "–", m.idle_s ? `${m.idle_s.toFixed(0)} s` : "–"];
+      row.append(...cells.map((text) => el("td", text)));
+      return row;
+    }));
     const reasons = broker.refused.filter((r) => r.count);
     $("refusals").replaceChildren(...(reasons.length ? reasons.map((r) => el("li", `${r.reason}: ${count(r.count)}`)) : [el("li", "none")]));
     plot($("plot-tok"), gateway.decode_tok_s, gateway.window_s, "tok/s");
@@ -702,4 +736,5 @@
   if (!active()) activeId = conversations[0]?.id ?? newConversation().id;
   render();
   refreshSessions();
+  refreshModels();
 })();

@@ -169,13 +169,13 @@ export class Client {
 
   async openSession(options: OpenOptions = {}): Promise<Session> {
     checkOptions(options, OPEN_KEYS, "openSession");
-    const { system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork, prefix, traceparent } = options;
+    const { system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork, prefix, traceparent, model } = options;
     if (chatTemplateKwargs !== undefined && (chatTemplateKwargs === null || typeof chatTemplateKwargs !== "object" || Array.isArray(chatTemplateKwargs))) {
       throw new InvalidArgument("chatTemplateKwargs must be an object: template variable -> value");
     }
     const sampling = { ...options.sampling, ...pickSampling(options) };
     const body = {
-      system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork, prefix, traceparent,
+      system, tools, chatTemplateKwargs, sink, window, admission, queueWaitS, clientName, fork, prefix, traceparent, model,
       sampling: Object.keys(sampling).length ? sampling : undefined,
     };
     // A queued open may legitimately wait queueWaitS before its answer.

@@ -41,6 +41,8 @@ export class WorkerLost extends KvmuxError { static override readonly code = "wo
 export class Cancelled extends KvmuxError { static override readonly code = "cancelled"; }
 export class VersionMismatch extends KvmuxError { static override readonly code = "version_mismatch"; }
 export class FrameTooLarge extends KvmuxError { static override readonly code = "frame_too_large"; }
+/** An openSession named a model the daemon does not run (the message names those it does). */
+export class ModelNotFound extends KvmuxError { static override readonly code = "model_not_found"; }
 /** No reply within the call's timeout (a stream's: per frame); from a broker
  * never heard from, the message says why it may be silent (CURVE keys). */
 export class Timeout extends KvmuxError { static override readonly code = "timeout"; }
@@ -48,7 +50,7 @@ export class Internal extends KvmuxError { static override readonly code = "inte
 
 export const ERRORS: Record<string, typeof KvmuxError> = Object.fromEntries(
   [SessionNotFound, SessionExpired, SessionCorrupt, Forbidden, InvalidArgument, MalformedFrame, UnknownOp, Busy, Overloaded, WorkerLost,
-    Cancelled, VersionMismatch, FrameTooLarge, Timeout, Internal].map((cls) => [cls.code, cls]),
+    Cancelled, VersionMismatch, FrameTooLarge, ModelNotFound, Timeout, Internal].map((cls) => [cls.code, cls]),
 );
 
 /** The exception an ERROR reply stands for. */

@@ -33,7 +33,7 @@ export const Op = {
   "ERROR": "error"
 } as const;
 
-export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "forbidden", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "timeout", "internal"] as const;
+export const ERROR_CODES = ["session_not_found", "session_expired", "session_corrupt", "forbidden", "invalid_argument", "malformed_frame", "unknown_op", "busy", "overloaded", "worker_lost", "cancelled", "version_mismatch", "frame_too_large", "model_not_found", "timeout", "internal"] as const;
 
 export const STOP_REASONS = ["eos", "max_tokens", "stop", "cancelled", "tool_calls"] as const;
 
@@ -63,6 +63,7 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["fork", {"struct": "Fork"}, null],
     ["traceparent", "str", null],
     ["prefix", "str", null],
+    ["model", "str", null],
   ]},
   "Append": {"tag": null, "array": false, "fields": [
     ["messages", {"list": {"struct": "ChatMessage"}}, []],
@@ -255,6 +256,16 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["protection", "str"],
     ["curve", "bool", false],
   ]},
+  "ModelStats": {"tag": null, "array": false, "fields": [
+    ["model", "str"],
+    ["aliases", {"list": "str"}, []],
+    ["state", "str"],
+    ["workers", "int", 0],
+    ["default", "bool", false],
+    ["pinned", "bool", false],
+    ["resident_bytes", "int", 0],
+    ["idle_s", "float", 0.0],
+  ]},
   "Compute": {"tag": null, "array": false, "fields": [
     ["device", "str"],
     ["blas", "str", ""],
@@ -396,6 +407,10 @@ export const SCHEMAS: Record<string, StructTable> = {
     ["store_bytes", "int", 0],
     ["store_error", "str", ""],
     ["endpoints", {"list": {"struct": "Endpoint"}}, []],
+    ["models", {"list": {"struct": "ModelStats"}}, []],
+    ["max_resident_bytes", "int", 0],
+    ["model_loads", "int", 0],
+    ["model_unloads", "int", 0],
   ]},
   "Error": {"tag": "error", "array": false, "fields": [
     ["code", "str"],
@@ -422,6 +437,7 @@ export interface OpenSession {
   fork?: Fork;
   traceparent?: string;
   prefix?: string;
+  model?: string;
 }
 
 export interface Append {
@@ -644,6 +660,17 @@ export interface Endpoint {
   curve?: boolean;
 }
 
+export interface ModelStats {
+  model: string;
+  aliases?: string[];
+  state: string;
+  workers?: number;
+  default?: boolean;
+  pinned?: boolean;
+  residentBytes?: number;
+  idleS?: number;
+}
+
 export interface Compute {
   device: string;
   blas?: string;
@@ -816,6 +843,10 @@ export interface BrokerStats {
   storeBytes?: number;
   storeError?: string;
   endpoints?: Endpoint[];
+  models?: ModelStats[];
+  maxResidentBytes?: number;
+  modelLoads?: number;
+  modelUnloads?: number;
 }
 
 export interface ErrorReply {

@@ -33,7 +33,7 @@ test("the manifest covers every schema with a wire form", () => {
   const covered = new Set(manifest.vectors.map((v) => v.schema));
   for (const name of Object.keys(SCHEMAS)) {
     // nested-only structs are covered inside the replies that carry them
-    const nested = ["ChatMessage", "Sampling", "WorkerStats", "SessionSummary", "Refused", "Endpoint",
+    const nested = ["ChatMessage", "Sampling", "WorkerStats", "SessionSummary", "Refused", "Endpoint", "ModelStats",
       "ToolCall", "Tool", "NamedTool", "Format", "Fork", "TokenLogprob", "Logprobs", "ToolCallDelta", "PrefixCounts"];
     if (!nested.includes(name)) assert.ok(covered.has(name), name);
   }
