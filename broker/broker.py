@@ -417,8 +417,9 @@ class Broker:
                 raise ProtocolError(ErrorCode.INVALID_ARGUMENT, why)
             pending.store, pending.prefer, pending.model = source.store, source.worker, source.model
         else:  # beside the sessions that opened as it does: the worker holds that opening's prefix
-            pending.opening = self.openings.key(request)
-            pending.prefer = self.openings.worker(pending.opening, list(self.registry.workers.values()))
+            pending.opening = self.openings.key(request, pending.model)
+            peers = [w for w in self.registry.workers.values() if w.runs(pending.model)]
+            pending.prefer = self.openings.worker(pending.opening, peers)
         self.place(pending, request, frame.now)
 
     def place(self, pending: Pending, request, now: float) -> None:

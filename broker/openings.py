@@ -29,13 +29,13 @@ class Openings:
         self._placed: OrderedDict[str, WorkerEntry] = OrderedDict()
 
     @staticmethod
-    def key(request: OpenSession) -> str | None:
-        """The opening's name; None for one that shares nothing (a fork, no
-        system prompt or tools, or `prefix` off)."""
+    def key(request: OpenSession, model: str | None) -> str | None:
+        """The opening's name on `model`; None for one that shares nothing
+        (a fork, a short opening, or `prefix` off)."""
         if request.fork is not None or request.prefix == PrefixMode.OFF:
             return None
         fields = msgspec.msgpack.encode(
-            [request.system, request.tools, request.chat_template_kwargs, request.sink, request.window]
+            [model, request.system, request.tools, request.chat_template_kwargs, request.sink, request.window]
         )
         if len(fields) < SHAREABLE:
             return None
@@ -43,8 +43,8 @@ class Openings:
 
     def worker(self, key: str | None, workers: list[WorkerEntry]) -> WorkerEntry | None:
         """The worker the opening was last placed on, unless another of
-        `workers` has more than twice its free slabs (the registry checks
-        that it is still there, with a free slab)."""
+        `workers` (its model's) has more than twice its free slabs (the
+        registry checks that it is still there, with a free slab)."""
         placed = self._placed.get(key) if key else None
         most = max((w.free_slabs for w in workers if not w.draining), default=0)
         return placed if placed is not None and 2 * placed.free_slabs >= most else None
