@@ -30,7 +30,7 @@ from kvmux.worker.preload import CPU_THREADS_ENV, openblas_path
 
 from .auth import Auth
 from .config import BrokerConfig
-from .models import Declared
+from .declared import Declared
 
 log = logs.get("broker")
 

@@ -1,9 +1,6 @@
-"""The models a daemon declares (`[[models]]`, or `--model` once or more)
-and which of them are resident. Each has an id, as its workers' READY will
-say it (the file or directory name), the names an open may give it (its
-id, its aliases, its packaged name), and the settings its local workers run
-with. Knowing them before any worker registers, the broker refuses a model
-it will never have and waits for one whose workers are starting.
+"""Which of the models a daemon declares (declared.py) are resident.
+Knowing them before any worker registers, the broker refuses a model it
+will never have and waits for one whose workers are starting.
 
 A declared model is loaded (its local workers started) when a session
 asks for it, and unloaded (its workers stopped with SIGTERM: they snapshot
@@ -17,15 +14,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvmux import logs, paths
+from kvmux import logs
 from kvmux.protocol import ErrorCode, ModelState, ModelStats, ProtocolError
-from kvmux.settings import ModelSpec
 
 from .config import BrokerConfig
+from .declared import Declared, declare
 
 if TYPE_CHECKING:
     from .admission import Admission
@@ -34,59 +29,7 @@ if TYPE_CHECKING:
 
 log = logs.get("broker")
 
-RUNTIME_BYTES = 256 << 20  # a worker's memory beside its weights (Python, MLX, slabs), until measured
 MARGIN = 0.2  # the default budget leaves this share of the machine's memory (at least 1 GiB) to everything else
-
-
-@dataclass(frozen=True)
-class Declared:
-    spec: ModelSpec
-    path: Path | None  # None: the embedded model, the worker's default
-    model_id: str
-    names: frozenset[str]  # what OpenSession.model may say for it
-
-    def worker_argv(self) -> list[str]:
-        """Its `kvmux worker` options over the daemon's own."""
-        spec, argv = self.spec, []
-        for flag, value in (
-            ("--model", self.path),
-            ("--slabs", spec.slabs),
-            ("--window", spec.window),
-            ("--pipeline", spec.pipeline),
-            ("--chat-template", spec.chat_template),
-            ("--draft-model", spec.draft_model),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv
-
-    def estimate(self) -> int:
-        """Bytes a worker of it takes before one was measured: its weights' files and RUNTIME_BYTES."""
-        shown = self.path or paths.default_model_path()
-        files = [shown] if shown is not None and shown.is_file() else list(shown.rglob("*")) if shown else []
-        return sum(f.stat().st_size for f in files if f.is_file()) + RUNTIME_BYTES
-
-
-def declare(cfg: BrokerConfig) -> list[Declared]:
-    """The daemon's models, the default first: none for a broker without
-    local workers (its workers bring their own); raises ValueError for a
-    packaged model not installed (a file that is not a model is refused by
-    its worker, as ever)."""
-    if cfg.workers == 0:
-        return []
-    specs = cfg.models or [ModelSpec(path=cfg.model or "")]
-    out = []
-    for spec in specs:
-        path = paths.model_file(spec.path) if spec.path else None
-        shown = path if path is not None else paths.default_model_path()
-        model_id = shown.name if shown is not None else "default"
-        names = frozenset({model_id, *spec.aliases, *([spec.path] if spec.path in paths.PACKAGED_MODELS else [])})
-        out.append(Declared(spec, path, model_id, names))
-    ids = [d.model_id for d in out]
-    twice = sorted({i for i in ids if ids.count(i) > 1})
-    if twice:
-        raise ValueError(f"models: {', '.join(twice)} declared more than once")
-    return out
 
 
 def machine_bytes() -> int:

@@ -17,8 +17,8 @@ from conftest import kvmux_command
 
 from kvmux import settings
 from kvmux.broker.config import SETTINGS, TABLE, load
+from kvmux.broker.declared import declare
 from kvmux.broker.local import LocalWorkers
-from kvmux.broker.models import declare
 from kvmux.commands.cli import app
 from kvmux.worker import cli as worker_cli
 from kvmux.worker.server import WorkerConfig
