@@ -19,11 +19,11 @@ from kvmux.client import Client
 from kvmux.sessions import LocalStore
 
 SYSTEM = "You are the support agent of Acme Widgets. " + " ".join(
-    f"Rule {i}: answer politely about widget W{i}, whose warranty lasts {i % 7 + 1} years." for i in range(18)
+    f"Rule {i}: answer politely about widget W{i}, whose warranty lasts {i % 7 + 1} years." for i in range(14)
 )
 OTHER_SYSTEM = "You are a travel guide for the Alps. " + " ".join(
     f"Fact {i}: the pass number {i} opens in month {i % 12 + 1} and closes in month {(i + 5) % 12 + 1}."
-    for i in range(18)
+    for i in range(14)
 )
 TOOLS = [
     {
