@@ -385,10 +385,17 @@ def stack_factory():
 @pytest.fixture(scope="session")
 def shared_stack():
     """One broker + one worker with 8 slabs for tests that kill nothing;
-    its broker serves Prometheus metrics (`shared_stack.metrics`)."""
+    its broker serves Prometheus metrics (`shared_stack.metrics`). A process
+    of it that exited on its own fails the session's teardown with the logs'
+    tail: every test after that failed for that one reason."""
     stack = Stack(workers=1, slabs=8, shared=True, metrics=True)
     yield stack
+    procs = (("broker", stack.broker), ("worker0", stack.workers[0]))
+    gone = [(name, proc.returncode) for name, proc in procs if proc.poll() is not None]
+    logs = stack.logs(tail=6000) if gone else ""
     stack.stop()
+    if gone:
+        pytest.fail(f"the shared stack's {gone} (name, returncode) exited during the session\n{logs}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
