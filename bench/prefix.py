@@ -192,10 +192,7 @@ def run(cfg: PrefixConfig, output: Path, model_dir: Path, progress: bool = True)
 
 
 def plot(doc: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plot import plt, save  # matplotlib with its Agg backend
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     same = doc["kvmux"]["same_worker"]
@@ -215,7 +212,4 @@ def plot(doc: dict, path: Path) -> Path:
     )
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
