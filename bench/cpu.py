@@ -154,8 +154,10 @@ def llama_cpp_child() -> None:
 
 
 def _prefill(client: Client, message_ids: list[int]) -> float:
-    """Tokens/s of one message's prefill on a fresh session (the worker's own timing)."""
-    with client.open_session() as session:
+    """Tokens/s of one message's prefill on a fresh session (the worker's
+    own timing); prefix snapshots off, or every round after the first
+    would take the message from the first's."""
+    with client.open_session(prefix="off") as session:
         appended = session.append(token_ids=message_ids)
     return appended.new_tokens / appended.prefill_s
 

@@ -2,8 +2,9 @@
 real weights: the quantized matmul against MLX's own dequantize + matmul
 for every width and group size, a row's bits whatever else the product
 holds and whichever instruction set runs it, the fused norm and rope
-against mx.fast's, bad arguments refused by name, and the whole model's
-logits against float32 copies of the same weights."""
+against mx.fast's, a layer's fused halves against the separate ops, bad
+arguments refused by name, and the whole model's logits against float32
+copies of the same weights."""
 
 from __future__ import annotations
 
@@ -152,6 +153,88 @@ def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
     assert mx.abs(native.attend(q, keys, values, length) - want).max().item() < 1e-5
 
 
+def _layer(hidden: int, heads: int, kv_heads: int, inner: int):
+    """A llama-style layer's weights: norms and seven projections, the
+    projections of two widths (Q4_K files keep some at 6 or 8 bits)."""
+    d = hidden // heads
+    shapes = {"q": (heads * d, hidden), "k": (kv_heads * d, hidden), "v": (kv_heads * d, hidden)}
+    shapes |= {"o": (hidden, hidden), "gate": (inner, hidden), "up": (inner, hidden), "down": (hidden, inner)}
+    widths = {"v": 8, "down": 6}
+    layer = {
+        name: (*quantized(*shape, widths.get(name, 4), 32, seed=i), 32, widths.get(name, 4))
+        for i, (name, shape) in enumerate(shapes.items())
+    }
+    norms = [mx.random.uniform(0.5, 1.5, (hidden,), key=mx.random.key(40 + i)) for i in range(2)]
+    return layer, norms
+
+
+def _arrays(layer, *names):
+    return [a for n in names for a in layer[n][:3]], [layer[n][3] for n in names], [layer[n][4] for n in names]
+
+
+def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
+    """attention_in and qmatmul's residual are the separate native ops'
+    arithmetic, bit for bit; the MLP's swiglu uses an exp of its own (within
+    float32 rounding of MLX's); each row bit-identical alone."""
+    hidden, heads, kv, inner, tokens = 128, 4, 2, 320, 17
+    d = hidden // heads
+    layer, (norm1, norm2) = _layer(hidden, heads, kv, inner)
+    h = mx.random.normal((1, tokens, hidden), key=mx.random.key(50))
+    positions = mx.array([3 * t + 7 for t in range(tokens)])
+    scale = d**-0.5
+
+    def q_(name, x):
+        codes, s, b, group, bits = layer[name]
+        return native.qmatmul(x, codes, s, b, group, bits)
+
+    queries, keys, values = native.attention_in(
+        h, norm1, 1e-5, *_arrays(layer, "q", "k", "v"), heads, kv, scale, positions, d, False, 10000.0, 1.0
+    )
+    x = native.rms_norm(h, norm1, 1e-5)
+    q = q_("q", x).reshape(tokens, heads, 1, d)
+    k = q_("k", x).reshape(tokens, kv, 1, d)
+    rows = native.rope(mx.concatenate([q * scale, k], axis=1), positions, d, False, 10000.0, 1.0)
+    assert mx.array_equal(queries, rows[:, :heads]).item()
+    assert mx.array_equal(keys, rows[:, heads:].transpose(2, 1, 0, 3)).item()
+    assert mx.array_equal(values, q_("v", x).reshape(tokens, kv, 1, d).transpose(2, 1, 0, 3)).item()
+
+    attended = mx.random.normal((1, tokens, hidden), key=mx.random.key(51))
+    codes, s, b, group, bits = layer["o"]
+    assert mx.array_equal(native.qmatmul(attended, codes, s, b, group, bits, residual=h), h + q_("o", attended)).item()
+
+    out = native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"))
+    x = native.rms_norm(h, norm2, 1e-5)
+    want = h + q_("down", mx.sigmoid(q_("gate", x)) * q_("gate", x) * q_("up", x))
+    assert out.shape == h.shape and mx.abs(out - want).max().item() < 1e-5 * mx.abs(want).max().item()
+
+    for t in (0, 5, tokens - 1):  # a token alone, as a decode step runs it
+        one = native.attention_in(
+            h[:, t : t + 1],
+            norm1,
+            1e-5,
+            *_arrays(layer, "q", "k", "v"),
+            heads,
+            kv,
+            scale,
+            positions[t : t + 1],
+            d,
+            False,
+            10000.0,
+            1.0,
+        )
+        assert (
+            mx.array_equal(one[0][0], queries[t]).item() and mx.array_equal(one[1][..., 0, :], keys[..., t, :]).item()
+        )
+        alone = native.mlp(h[:, t : t + 1], norm2, 1e-5, *_arrays(layer, "gate", "up", "down"))
+        assert mx.array_equal(alone[0, 0], out[0, t]).item()
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        native.attention_in(h, norm1, 1e-5, *_arrays(layer, "q", "k", "v"), 3, 2, scale, positions, d, False, 1e4, 1.0)
+    with pytest.raises(ValueError, match="expected 3 projections"):
+        native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up"))
+    with pytest.raises(ValueError, match="residual"):
+        native.qmatmul(attended, codes, s, b, group, bits, residual=h[:, :3])
+
+
 @pytest.fixture(scope="module")
 def models():
     from kvmux.worker.model import load
@@ -171,6 +254,7 @@ def test_the_model_reads_its_weights_as_stored(models):
     assert isinstance(layers["model.layers.0.self_attn.q_proj"], cpu_kernel.QuantizedLinear)
     assert isinstance(layers["model.embed_tokens"], cpu_kernel.QuantizedEmbedding)
     assert isinstance(layers["model.norm"], cpu_kernel.RMSNorm)
+    assert all(cpu_kernel.fused(layer) for layer in kernel.model.model.layers)  # a llama block: three ops a layer
     params = dict(nn.utils.tree_flatten(kernel.model.parameters()))
     bytes_kept = sum(v.nbytes for v in params.values())
     bytes_float = sum(v.nbytes for v in dict(nn.utils.tree_flatten(fallback.model.parameters())).values())

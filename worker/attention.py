@@ -100,17 +100,21 @@ def row_masks(cache: SlabCache, n: int) -> list[tuple[int, int, int, np.ndarray 
     return runs
 
 
-def _plan_rows(rows: mx.array, values: mx.array, cache: SlabCache, runs, n_heads: int, native) -> _Pending:
+def _plan_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, runs, native) -> _Pending:
     """Scores of decode rows on one layer: their keys written first, then
     each run of rows against the slots it reads (with `native`, the
     kvmux_native module, each run is one op that attends outright)."""
-    head_dim = rows.shape[-1]
-    kv_heads = values.shape[1]
-    cache.write(rows[:, n_heads:].transpose(2, 1, 0, 3), values.transpose(2, 1, 0, 3))
+    n, n_heads, _, head_dim = queries.shape
+    kv_heads = keys.shape[1]
+    cache.write(keys, values)
     if native is not None:
         outs = [
             native.attend(
-                rows[first:last, :n_heads], cache.keys, cache.values, length, None if mask is None else mx.array(mask)
+                queries if (first, last) == (0, n) else queries[first:last],
+                cache.keys,
+                cache.values,
+                length,
+                None if mask is None else mx.array(mask),
             )
             for first, last, length, mask in runs
         ]
@@ -119,11 +123,10 @@ def _plan_rows(rows: mx.array, values: mx.array, cache: SlabCache, runs, n_heads
     for first, last, length, mask in runs:
         # (rows, kv heads, group, D) @ (1, kv heads, D, slots): one (group x
         # D) @ (D x slots) product per row and KV head, whatever the rows.
-        queries = rows[first:last, :n_heads].reshape(last - first, kv_heads, -1, head_dim)
-        keys = cache.keys[..., :length, :]
+        grouped = queries[first:last].reshape(last - first, kv_heads, -1, head_dim)
         blocks.append(
             _Block(
-                [queries @ keys.swapaxes(-1, -2)],
+                [grouped @ cache.keys[..., :length, :].swapaxes(-1, -2)],
                 [cache.values[..., :length, :]],
                 mask,
                 last - first,
@@ -134,14 +137,12 @@ def _plan_rows(rows: mx.array, values: mx.array, cache: SlabCache, runs, n_heads
     return _Pending(blocks)
 
 
-def _plan_chunk(rows: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray, n_heads: int) -> _Pending:
+def _plan_chunk(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray) -> _Pending:
     """Scores of a prefill chunk's rows on one layer of its slab."""
-    n, _, _, head_dim = rows.shape
-    kv_heads = values.shape[1]
+    n, _, _, head_dim = queries.shape
+    kv_heads = keys.shape[1]
     # Heads h*g .. h*g+g-1 share KV head h: a (g*n, D) block of queries per KV head.
-    grouped = rows[:, :n_heads].transpose(2, 1, 0, 3).reshape(1, kv_heads, -1, head_dim)
-    keys = rows[:, n_heads:].transpose(2, 1, 0, 3)
-    values = values.transpose(2, 1, 0, 3)
+    grouped = queries.transpose(2, 1, 0, 3).reshape(1, kv_heads, -1, head_dim)
     parts_k, parts_v = [keys], [values]
     if cache.keys is not None:  # the slab as it stands, then the new tokens
         parts_k.insert(0, cache.keys)
@@ -186,20 +187,25 @@ def _masked(block: _Block, s, mask):
     return (s.reshape(*s.shape[:2], -1, block.rows, s.shape[-1]) + mask).reshape(s.shape)
 
 
-def attend_all(rows: mx.array, values: mx.array, segments: list[tuple], n_heads: int, native=None) -> mx.array:
-    """The attention output (1, tokens, heads * D) of a pass: `rows` (tokens,
-    heads + kv heads, 1, D) holds every token's scaled, rotated query and
-    key, `values` (tokens, kv heads, 1, D) its value, and each (start, n,
-    cache, plan) segment attends over its own slab, which gets its new
-    tokens; `plan` is `row_masks(...)` for decode rows, `additive_mask(...)`
-    for a prefill chunk. `native`: the kvmux_native module where the model
-    runs on it (worker/cpu_kernel.py): decode rows attend in one op each."""
-    pending = [
-        _plan_rows(rows[start : start + n], values[start : start + n], cache, plan, n_heads, native)
-        if isinstance(plan, list)
-        else _plan_chunk(rows[start : start + n], values[start : start + n], cache, plan, n_heads)
-        for start, n, cache, plan in segments
-    ]
+def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: list[tuple], native=None) -> mx.array:
+    """The attention output (1, tokens, heads * D) of a pass: `queries`
+    (tokens, heads, 1, D) holds every token's scaled, rotated query,
+    `keys` and `values` (1, kv heads, tokens, D) its rotated key and its
+    value as a slab stores them, and each (start, n, cache, plan) segment
+    attends over its own slab, which gets its new tokens; `plan` is
+    `row_masks(...)` for decode rows, `additive_mask(...)` for a prefill
+    chunk. `native`: the kvmux_native module where the model runs on it
+    (worker/cpu_kernel.py): decode rows attend in one op each."""
+    total, n_heads = queries.shape[:2]
+    pending = []
+    for start, n, cache, plan in segments:
+        part = (queries, keys, values)
+        if (start, n) != (0, total):  # a shared pass: this segment's tokens
+            part = (queries[start : start + n], keys[..., start : start + n, :], values[..., start : start + n, :])
+        if isinstance(plan, list):
+            pending.append(_plan_rows(*part, cache, plan, native))
+        else:
+            pending.append(_plan_chunk(*part, cache, plan))
     numpy = [b.scores for p in pending for b in p.blocks if b.numpy]
     if numpy:
         mx.eval(numpy)

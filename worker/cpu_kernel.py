@@ -13,7 +13,9 @@ runs each as a graph of 6 and ~20 small ops, and a decode step's time
 there is as much the ops' count as their work).
 
 Decode rows' attention (worker/attention.py) becomes one op per layer too
-for an adopted model (`native_of`).
+for an adopted model (`native_of`), and a llama-style layer's two halves
+around it one op each (`fused`: its norms, seven products, rope, swiglu
+and residual adds, ~30 ops of MLX's otherwise).
 
 `select` says which kernel runs, or why none does (not built, built for
 another mlx, a GPU, `off`); the worker then falls back to MLX's own
@@ -157,6 +159,78 @@ def adopt(model: nn.Module) -> None:
             floats = {k: v.astype(mx.float32) for k, v in module.items() if _is_float(v)}
             if floats:
                 module.update(floats)
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        if _fusable(layer):
+            attn, mlp = layer.self_attn, layer.mlp
+            layer.__dict__[_FUSED_MARK] = (
+                _projections(attn.q_proj, attn.k_proj, attn.v_proj),
+                _projections(mlp.gate_proj, mlp.up_proj, mlp.down_proj),
+            )
+
+
+# A fused layer's projections as kvmux_native's layer ops take them, made
+# once (a decode step would otherwise rebuild them for every layer).
+_FUSED_MARK = "kvmux_native_layer"
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """A llama-style block on adopted modules: RMS norms, plain rope, q, k,
+    v, o and a swiglu MLP of quantized projections without biases, no
+    q/k norms (llama's, and qwen2's and qwen3's where they have none)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or hasattr(attn, "q_norm") or type(getattr(attn, "rope", None)) is not RoPE:
+        return False
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    projections = [getattr(attn, f"{n}_proj", None) for n in "qkvo"]
+    projections += [getattr(mlp, f"{n}_proj", None) for n in ("gate", "up", "down")]
+    return all(type(n) is RMSNorm for n in norms) and all(
+        type(p) is QuantizedLinear and "bias" not in p for p in projections
+    )
+
+
+def fused(layer: nn.Module) -> bool:
+    """Whether `layer` runs as kvmux_native's layer ops (`attention_in`,
+    `attention_out`, `mlp`)."""
+    return _FUSED_MARK in layer.__dict__
+
+
+def _projections(*linears: QuantizedLinear) -> tuple[list[mx.array], list[int], list[int]]:
+    arrays = [a for p in linears for a in (p["weight"], p["scales"], p["biases"])]
+    return arrays, [p.group_size for p in linears], [p.bits for p in linears]
+
+
+def attention_in(layer: nn.Module, h: mx.array, positions: mx.array) -> list[mx.array]:
+    """A fused layer's normed, projected, scaled and rotated queries
+    (tokens, heads, 1, D), and its rotated keys and its values as a slab
+    holds them (1, kv heads, tokens, D), from the residual stream h (1,
+    tokens, hidden)."""
+    attn, norm, rope = layer.self_attn, layer.input_layernorm, layer.self_attn.rope
+    return kvmux_native.attention_in(
+        h,
+        norm["weight"],
+        norm.eps,
+        *layer.__dict__[_FUSED_MARK][0],
+        attn.n_heads,
+        attn.n_kv_heads,
+        attn.scale,
+        positions,
+        rope.dims,
+        rope.traditional,
+        rope.base,
+        rope.scale,
+    )
+
+
+def attention_out(layer: nn.Module, h: mx.array, attended: mx.array) -> mx.array:
+    """h + the attention's output projection, one op."""
+    o = layer.self_attn.o_proj
+    return kvmux_native.qmatmul(attended, o["weight"], o["scales"], o["biases"], o.group_size, o.bits, residual=h)
+
+
+def mlp(layer: nn.Module, h: mx.array) -> mx.array:
+    """h + the layer's MLP of its normed h, one op."""
+    norm = layer.post_attention_layernorm
+    return kvmux_native.mlp(h, norm["weight"], norm.eps, *layer.__dict__[_FUSED_MARK][1])
 
 
 def _is_float(value: object) -> bool:

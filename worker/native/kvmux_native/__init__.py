@@ -5,18 +5,45 @@
   bits fast, AVX-512 / AVX2 / scalar; src/kernels.h says how it sums);
 - `rms_norm` and `rope`: mx.fast's, as one op each (MLX's CPU backend runs
   them as graphs of small ops);
-- `attend`: decode rows' attention over one layer of a slab, one op.
+- `attend`: decode rows' attention over one layer of a slab, one op;
+- `attention_in` and `mlp`: a llama-style layer's halves around the slab
+  (its norms, seven products, rope, swiglu, residual adds), one op each.
 
 Built against one mlx release: under another, the compiled module would
 crash or refuse every call, so importing it then fails here instead."""
 
 import mlx.core as mx  # first: the extension's types are MLX's
 
-from ._ext import attend, built_with, isa, isas, qmatmul, rms_norm, rope, set_isa, set_threads, threads
+from ._ext import (
+    attend,
+    attention_in,
+    built_with,
+    isa,
+    isas,
+    mlp,
+    qmatmul,
+    rms_norm,
+    rope,
+    set_isa,
+    set_threads,
+    threads,
+)
 
 if built_with() != mx.__version__:
     raise ImportError(
         f"kvmux_native was built against mlx {built_with()}, this is mlx {mx.__version__}: make setup rebuilds it"
     )
 
-__all__ = ["attend", "isa", "isas", "qmatmul", "rms_norm", "rope", "set_isa", "set_threads", "threads"]
+__all__ = [
+    "attend",
+    "attention_in",
+    "isa",
+    "isas",
+    "mlp",
+    "qmatmul",
+    "rms_norm",
+    "rope",
+    "set_isa",
+    "set_threads",
+    "threads",
+]

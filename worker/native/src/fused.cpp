@@ -31,6 +31,14 @@ float sum_of_squares(const float* v, int n) {
 
 }  // namespace
 
+void rms_rows(const float* x, const float* w, float eps, size_t rows, int D, float* out) {
+  for (size_t r = 0; r < rows; ++r) {
+    const float* row = x + r * D;
+    const float inv = 1.0f / std::sqrt(sum_of_squares(row, D) * (1.0f / D) + eps);
+    for (int i = 0; i < D; ++i) out[r * D + i] = (row[i] * inv) * w[i];
+  }
+}
+
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
   if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1))
     throw std::invalid_argument("[kvmux_native.rms_norm] weight must be 1-D with x's last dimension");
@@ -53,12 +61,7 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const float* xv = contiguous_rows(x, xs);
     const float* wv = contiguous_rows(w, ws);
     const int D = x.shape(-1);
-    const size_t rows = x.size() / D;
-    for (size_t r = 0; r < rows; ++r) {
-      const float* row = xv + r * D;
-      const float inv = 1.0f / std::sqrt(sum_of_squares(row, D) * (1.0f / D) + eps);
-      for (int i = 0; i < D; ++i) o[r * D + i] = (row[i] * inv) * wv[i];
-    }
+    rms_rows(xv, wv, eps, x.size() / D, D, o);
   });
 }
 
@@ -102,40 +105,43 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     scale = scale_]() {
     const auto& x = inputs[0];
     thread_local std::vector<float> xs;
-    const float* xv = contiguous_rows(x, xs);
-    const int32_t* offsets = inputs[1].data<int32_t>();  // a scalar or a vector: contiguous either way
-    const bool per_b = inputs[1].size() > 1;
-    const int B = x.shape(0), T = x.shape(-2), D = x.shape(-1), half = dims / 2;
-    const size_t N = x.size() / (size_t(B) * T * D);
-    std::vector<float> inv(half), cs(size_t(T) * half), sn(size_t(T) * half);
-    for (int i = 0; i < half; ++i)
-      inv[i] = inputs.size() > 2 ? 1.0f / inputs[2].data<float>()[i]
-                                 : std::exp(float(-i) * float(std::log(base) / half));
-    for (int b = 0; b < B; ++b) {
-      for (int t = 0; t < T; ++t) {
-        const float pos = (float(t) + float(offsets[per_b ? b : 0])) * scale;
-        for (int i = 0; i < half; ++i) {
-          const float theta = pos * inv[i];
-          cs[size_t(t) * half + i] = std::cos(theta);
-          sn[size_t(t) * half + i] = std::sin(theta);
-        }
-      }
-      for (size_t n = 0; n < N; ++n) {
-        for (int t = 0; t < T; ++t) {
-          const size_t at = ((size_t(b) * N + n) * T + t) * D;
-          const float* c = cs.data() + size_t(t) * half;
-          const float* sv = sn.data() + size_t(t) * half;
-          for (int i = 0; i < half; ++i) {
-            const size_t i1 = at + (traditional ? 2 * i : i), i2 = at + (traditional ? 2 * i + 1 : i + half);
-            const float x1 = xv[i1], x2 = xv[i2];
-            o[i1] = x1 * c[i] - x2 * sv[i];
-            o[i2] = x1 * sv[i] + x2 * c[i];
-          }
-          for (int i = dims; i < D; ++i) o[at + i] = xv[at + i];
-        }
+    const Rotation r{dims, traditional, base, scale, inputs.size() > 2 ? inputs[2].data<float>() : nullptr};
+    const int B = x.shape(0), T = x.shape(-2), D = x.shape(-1);
+    rope_rows(contiguous_rows(x, xs), inputs[1].data<int32_t>(), inputs[1].size() > 1, B,
+              x.size() / (size_t(B) * T * D), T, D, r, o);
+  });
+}
+
+void rope_rows(const float* xv, const int32_t* offsets, bool per_b, int B, size_t N, int T, int D, const Rotation& r,
+               float* o) {
+  const int half = r.dims / 2;
+  std::vector<float> inv(half), cs(size_t(T) * half), sn(size_t(T) * half);
+  for (int i = 0; i < half; ++i)
+    inv[i] = r.freqs ? 1.0f / r.freqs[i] : std::exp(float(-i) * float(std::log(r.base) / half));
+  for (int b = 0; b < B; ++b) {
+    for (int t = 0; t < T; ++t) {
+      const float pos = (float(t) + float(offsets[per_b ? b : 0])) * r.scale;
+      for (int i = 0; i < half; ++i) {
+        const float theta = pos * inv[i];
+        cs[size_t(t) * half + i] = std::cos(theta);
+        sn[size_t(t) * half + i] = std::sin(theta);
       }
     }
-  });
+    for (size_t n = 0; n < N; ++n) {
+      for (int t = 0; t < T; ++t) {
+        const size_t at = ((size_t(b) * N + n) * T + t) * D;
+        const float* c = cs.data() + size_t(t) * half;
+        const float* sv = sn.data() + size_t(t) * half;
+        for (int i = 0; i < half; ++i) {
+          const size_t i1 = at + (r.traditional ? 2 * i : i), i2 = at + (r.traditional ? 2 * i + 1 : i + half);
+          const float x1 = xv[i1], x2 = xv[i2];
+          o[i1] = x1 * c[i] - x2 * sv[i];
+          o[i2] = x1 * sv[i] + x2 * c[i];
+        }
+        for (int i = r.dims; i < D; ++i) o[at + i] = xv[at + i];
+      }
+    }
+  }
 }
 
 void RoPE::eval_gpu(const std::vector<mx::array>&, mx::array&) {

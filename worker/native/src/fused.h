@@ -20,6 +20,22 @@ namespace mx = mlx::core;
 // x * rsqrt(mean(x^2) + eps) * weight over the last axis (float32).
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 
+// rms_norm's arithmetic on `rows` rows of D floats.
+void rms_rows(const float* x, const float* w, float eps, size_t rows, int D, float* out);
+
+// A rotary embedding's parameters (see rope); `freqs` null: base's.
+struct Rotation {
+  int dims;
+  bool traditional;
+  float base, scale;
+  const float* freqs;
+};
+
+// rope's arithmetic on x (B, N, T, D) as floats (N: the axes between),
+// positions offsets[b] + t (offsets[0] + t unless per_b).
+void rope_rows(const float* x, const int32_t* offsets, bool per_b, int B, size_t N, int T, int D, const Rotation& r,
+               float* out);
+
 // Rotary embedding of x (B, ..., T, D) at positions offset[b] + t (offset a
 // scalar or one per B), as mx.fast.rope forward: the first `dims` features,
 // paired (2i, 2i + 1) if `traditional` else (i, i + dims / 2), at

@@ -59,7 +59,7 @@ struct V {
 }  // namespace avx2
 
 AttendFn attend_avx2() { return &avx2::attend_group; }
-BlockFn block_avx2() { return &avx2::block<avx2::V, 2, 2, 2>; }
+BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, DIRECT_AVX2, DIRECT_AVX2>; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options

@@ -58,7 +58,7 @@ struct V {
 }  // namespace avx512
 
 AttendFn attend_avx512() { return &avx512::attend_group; }
-BlockFn block_avx512() { return &avx512::block<avx512::V, 4, 4, 4>; }
+BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, DIRECT_AVX512, DIRECT_AVX512>; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options

@@ -64,6 +64,6 @@ struct V {
 }  // namespace scalar
 
 AttendFn attend_scalar() { return &scalar::attend_group; }
-BlockFn block_scalar() { return &scalar::block<scalar::V, 1, 1, 1>; }
+BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
 
 }  // namespace kvmux_native

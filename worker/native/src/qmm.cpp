@@ -175,23 +175,113 @@ ScaleType scale_type(mx::Dtype dtype) {
   throw std::invalid_argument("[kvmux_native] scales and biases must be float16, bfloat16 or float32");
 }
 
-void compute(Problem p, BlockFn block) {
-  // Items: ROWS weight rows (dequantized into a thread's scratch, ~32 KB:
-  // they stay in L1/L2 while every row of x passes them) by up to XROWS
-  // rows of x (~256 KB, held in L2 while the weight rows are computed).
-  constexpr int XROWS = 64;
-  const int rows = std::max(4, (8192 / p.K) / 4 * 4);
-  const int nchunks = (p.N + rows - 1) / rows, mchunks = (p.M + XROWS - 1) / XROWS;
-  std::lock_guard<std::mutex> lock(pool_mutex);
-  pool->run(nchunks * mchunks, [&](int item) {
-    thread_local std::vector<float> scratch;
-    if (scratch.size() < size_t(rows) * p.K) scratch.resize(size_t(rows) * p.K);
-    const int n0 = (item / mchunks) * rows, m0 = (item % mchunks) * XROWS;
-    block(p, n0, std::min(p.N, n0 + rows), m0, std::min(p.M, m0 + XROWS), scratch.data());
-  });
+// Items of a job of products (one op's: a layer's q, k and v, say):
+// weight rows by rows of x. Decode rows (as many rows of x as the kernel
+// computes straight from the codes, kernels.h's DIRECT_*) are
+// computed straight from the codes, each weight row read once: an item is
+// a contiguous run of weight rows, about a quarter of a thread's share of
+// the job's bytes, so a thread streams long runs (the prefetchers follow
+// them) and claims few items. More rows of x go through a thread's
+// scratch: ROWS weight rows dequantized (~32 KB: they stay in L1/L2 while
+// every row of x passes them) by up to XROWS rows of x (~256 KB, held in
+// L2 while the weight rows are computed).
+struct Item {
+  int problem, n0, n1, m0, m1;
+};
+
+constexpr int XROWS = 64, ITEMS_PER_THREAD = 4;
+
+int direct_rows(Isa isa) {
+  switch (isa) {
+    case Isa::avx512:
+      return DIRECT_AVX512;
+    case Isa::avx2:
+      return DIRECT_AVX2;
+    default:
+      return DIRECT_SCALAR;
+  }
+}
+
+std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, int direct) {
+  std::vector<Item> items;
+  size_t direct_bytes = 0;
+  for (const auto& p : ps)
+    if (p.M <= direct) direct_bytes += size_t(p.N) * p.K * p.bits / 8;
+  const size_t share = std::max<size_t>(16 << 10, direct_bytes / (size_t(threads) * ITEMS_PER_THREAD));
+  for (int i = 0; i < int(ps.size()); ++i) {
+    const auto& p = ps[i];
+    if (p.M == 0) continue;
+    if (p.M <= direct) {
+      const size_t row_bytes = size_t(p.K) * p.bits / 8;
+      const int rows = std::max<int>(4, int(share / row_bytes) / 4 * 4);
+      for (int n0 = 0; n0 < p.N; n0 += rows) items.push_back({i, n0, std::min(p.N, n0 + rows), 0, p.M});
+      continue;
+    }
+    const int rows = std::max(4, (8192 / p.K) / 4 * 4);
+    for (int n0 = 0; n0 < p.N; n0 += rows)
+      for (int m0 = 0; m0 < p.M; m0 += XROWS)
+        items.push_back({i, n0, std::min(p.N, n0 + rows), m0, std::min(p.M, m0 + XROWS)});
+  }
+  return items;
 }
 
 }  // namespace
+
+void compute(const std::vector<Problem>& ps) {
+  const Isa isa = current_isa.load();
+  const BlockFn block = block_for(isa);
+  const int direct = direct_rows(isa);
+  std::lock_guard<std::mutex> lock(pool_mutex);
+  const auto items = items_of(ps, pool->size(), direct);
+  pool->run(int(items.size()), [&](int at) {
+    const Item& item = items[at];
+    const Problem& p = ps[item.problem];
+    thread_local std::vector<float> scratch;
+    if (item.m1 - item.m0 > direct && scratch.size() < size_t(item.n1 - item.n0) * p.K)
+      scratch.resize(size_t(item.n1 - item.n0) * p.K);
+    block(p, item.n0, item.n1, item.m0, item.m1, scratch.data());
+  });
+}
+
+const float* kernel_rows(const float* x, int rows, int K, int bits, std::vector<float>& ordered) {
+  if (bits != 4) return x;
+  ordered.resize(size_t(rows) * K);
+  x_order(x, rows, K, bits, ordered.data());
+  return ordered.data();
+}
+
+Problem problem(const mx::array& w, const mx::array& scales, const mx::array& biases, int group, int bits) {
+  for (const auto* a : {&w, &scales, &biases})
+    if (!a->flags().row_contiguous)
+      throw std::invalid_argument("[kvmux_native] w, scales and biases must be row-contiguous");
+  Problem p{};
+  p.w = w.data<uint8_t>();
+  p.scales = scales.data<void>();
+  p.biases = biases.data<void>();
+  p.scale_type = scale_type(scales.dtype());
+  p.N = w.shape(0);
+  p.K = w.shape(1) * 32 / bits;
+  p.bits = bits;
+  p.group = group;
+  return p;
+}
+
+void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                     const std::string& op) {
+  auto fail = [&](const std::string& what) { throw std::invalid_argument("[kvmux_native." + op + "] " + what); };
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    fail("group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array of packed codes");
+  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype())
+    fail("scales and biases must be 2-D arrays of one shape and dtype");
+  scale_type(scales.dtype());
+  const int N = w.shape(0), K = w.shape(1) * 32 / bits;
+  if (scales.shape(0) != N || scales.shape(1) * group_size != K)
+    fail("scales and biases must have one value per group of each row of w");
+}
+
 
 const float* contiguous_rows(const mx::array& x, std::vector<float>& copy) {
   if (x.flags().row_contiguous) return x.data<float>();
@@ -229,72 +319,45 @@ mx::array qmatmul(
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
-    int bits) {
+    int bits,
+    const std::optional<mx::array>& residual) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.qmatmul] " + what); };
-  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
-    fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    fail("group_size must be 32, 64 or 128, not " + std::to_string(group_size));
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array of packed codes");
-  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype())
-    fail("scales and biases must be 2-D arrays of one shape and dtype");
-  scale_type(scales.dtype());
+  check_quantized(w, scales, biases, group_size, bits, "qmatmul");
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
-  if (scales.shape(0) != N || scales.shape(1) * group_size != K)
-    fail("scales and biases must have one value per group of each row of w");
   if (x_in.ndim() < 1 || x_in.shape(-1) != K)
     fail("x's last dimension (" + std::to_string(x_in.ndim() ? x_in.shape(-1) : 0) + ") must be w's " +
          std::to_string(K) + " inputs");
-  const bool floating = mx::issubdtype(x_in.dtype(), mx::floating);
-  if (!floating) fail("x must be a floating-point array");
+  if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail("x must be a floating-point array");
   auto stream = mx::to_stream({}, mx::Device::cpu);
   auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
   auto shape = x.shape();
   shape.back() = N;
-  auto out = mx::array(
-      shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits), {x, w, scales, biases});
+  std::vector<mx::array> inputs{x, w, scales, biases};
+  if (residual) {
+    if (residual->shape() != shape) fail("residual must have the product's shape");
+    inputs.push_back(residual->dtype() == mx::float32 ? *residual : mx::astype(*residual, mx::float32, stream));
+  }
+  auto out = mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits), inputs);
   return x_in.dtype() == mx::float32 ? out : mx::astype(out, x_in.dtype(), stream);
 }
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const auto& x = inputs[0];
-  const auto& w = inputs[1];
-  const auto& scales = inputs[2];
-  const auto& biases = inputs[3];
-  for (const auto* a : {&w, &scales, &biases})
-    if (!a->flags().row_contiguous)
-      throw std::invalid_argument("[kvmux_native.qmatmul] w, scales and biases must be row-contiguous");
+  Problem p = problem(inputs[1], inputs[2], inputs[3], group_size_, bits_);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(x);
-  encoder.set_input_array(w);
-  encoder.set_input_array(scales);
-  encoder.set_input_array(biases);
+  for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  const int N = w.shape(0), K = w.shape(1) * 32 / bits_;
-  Problem p{
-      nullptr,
-      w.data<uint8_t>(),
-      scales.data<void>(),
-      biases.data<void>(),
-      scale_type(scales.dtype()),
-      out.data<float>(),
-      int(x.size() / K),
-      N,
-      K,
-      bits_,
-      group_size_};
-  BlockFn block = block_for(current_isa.load());
-  encoder.dispatch([p, block, x]() mutable {
+  p.out = out.data<float>();
+  p.M = int(inputs[0].size() / p.K);
+  encoder.dispatch([p, inputs]() mutable {
     if (p.M == 0) return;
-    thread_local std::vector<float> copy, ordered;  // the stream thread's, reused
-    p.x = contiguous_rows(x, copy);
-    if (p.bits == 4) {
-      ordered.resize(x.size());
-      x_order(p.x, p.M, p.K, p.bits, ordered.data());
-      p.x = ordered.data();
+    thread_local std::vector<float> copy, ordered, rest;  // the stream thread's, reused
+    p.x = kernel_rows(contiguous_rows(inputs[0], copy), p.M, p.K, p.bits, ordered);
+    compute({p});
+    if (inputs.size() > 4) {  // out = residual + x @ W.T, the sum MLX's add would make
+      const float* r = contiguous_rows(inputs[4], rest);
+      for (size_t i = 0; i < size_t(p.M) * p.N; ++i) p.out[i] = r[i] + p.out[i];
     }
-    compute(p, block);
   });
 }
 

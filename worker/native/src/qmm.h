@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,14 +20,33 @@ namespace kvmux_native {
 namespace mx = mlx::core;
 
 // x (..., K) @ W.T -> (..., N), W given as MLX's packed uint32 codes (N,
-// K * bits / 32) with scales and biases (N, K / group_size).
+// K * bits / 32) with scales and biases (N, K / group_size); plus
+// `residual` (..., N) where given (a layer's residual stream: one op).
 mx::array qmatmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
-    int bits);
+    int bits,
+    const std::optional<mx::array>& residual = std::nullopt);
+
+// Throws std::invalid_argument (naming `op`) unless w, scales and biases
+// are an affine quantized matrix of `bits` and `group_size`.
+void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                     const std::string& op);
+
+// A product's weights (row-contiguous arrays of a checked matrix); the
+// caller sets x, out and M.
+Problem problem(const mx::array& w, const mx::array& scales, const mx::array& biases, int group, int bits);
+
+// x's rows as the kernel of `bits` reads them: x itself, or reordered
+// into `ordered` (kernels.h, x_order).
+const float* kernel_rows(const float* x, int rows, int K, int bits, std::vector<float>& ordered);
+
+// Every product of `ps` in one job over the kernel's threads (from an
+// op's eval task, on the CPU stream).
+void compute(const std::vector<Problem>& ps);
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
