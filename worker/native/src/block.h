@@ -117,10 +117,9 @@ void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
 // once; the same products and sums as the scratch path below.
 constexpr int AHEAD = 1;
 
-template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB, int GROUP>
+template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
 void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
-  constexpr int group = GROUP;  // a constant: the group's steps unrolled, the loop's state in registers
-  const int K = p.K, groups = K / group;
+  const int K = p.K, group = p.group, groups = K / group;
   const size_t row_bytes = size_t(K) * BITS / 8;
   // The block's scales and biases as floats, converted 16 at a time (one
   // broadcast load each in the loop below, not a conversion).
@@ -151,7 +150,6 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
         b[j] = V::set1(bias[size_t(j) * groups + g]);
         table[j] = table_of<V, BITS>(s[j], b[j]);
       }
-#pragma GCC unroll 4
       for (int k = g * group; k < (g + 1) * group; k += 32) {
         typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
@@ -234,31 +232,19 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
 // Rows m0..m1 of x by rows n0..n1 of W: up to MB rows of x straight from
 // the codes, more through the scratch (the weights dequantized once for
 // all of them). `SMALL_NB`: the weight rows in flight in the direct path.
-template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
-void direct_grouped(const kvmux_native::Problem& p, int n0, int n1, int m0) {
-  switch (p.group) {
-    case 32:
-      return direct<V, BITS, ST, NB, MB, 32>(p, n0, n1, m0);
-    case 64:
-      return direct<V, BITS, ST, NB, MB, 64>(p, n0, n1, m0);
-    default:
-      return direct<V, BITS, ST, NB, MB, 128>(p, n0, n1, m0);
-  }
-}
-
 template <class V, int BITS, kvmux_native::ScaleType ST, int SMALL_NB, int NB, int MB>
 void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   switch (m1 - m0) {
     case 1:
-      return direct_grouped<V, BITS, ST, SMALL_NB, 1>(p, n0, n1, m0);
+      return direct<V, BITS, ST, SMALL_NB, 1>(p, n0, n1, m0);
     case 2:
-      if constexpr (MB >= 2) return direct_grouped<V, BITS, ST, SMALL_NB, 2>(p, n0, n1, m0);
+      if constexpr (MB >= 2) return direct<V, BITS, ST, SMALL_NB, 2>(p, n0, n1, m0);
       break;
     case 3:
-      if constexpr (MB >= 3) return direct_grouped<V, BITS, ST, SMALL_NB, 3>(p, n0, n1, m0);
+      if constexpr (MB >= 3) return direct<V, BITS, ST, SMALL_NB, 3>(p, n0, n1, m0);
       break;
     case 4:
-      if constexpr (MB >= 4) return direct_grouped<V, BITS, ST, SMALL_NB, 4>(p, n0, n1, m0);
+      if constexpr (MB >= 4) return direct<V, BITS, ST, SMALL_NB, 4>(p, n0, n1, m0);
       break;
   }
   scratch_block<V, BITS, ST, NB, MB>(p, n0, n1, m0, m1, scratch);
