@@ -8,13 +8,13 @@
 
 namespace kvmux_native {
 
-namespace {
-
 mx::Stream cpu_stream() { return mx::to_stream({}, mx::Device::cpu); }
 
 mx::array as_float32(const mx::array& a, mx::Stream s) {
   return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
 }
+
+namespace {
 
 // Σ v[i]^2 in 16 lanes, then the lanes' fixed tree (as the matmul's sums).
 float sum_of_squares(const float* v, int n) {

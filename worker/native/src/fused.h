@@ -17,6 +17,11 @@ namespace kvmux_native {
 
 namespace mx = mlx::core;
 
+// The CPU stream every op of this extension runs on, and an array as
+// float32 there (itself where it is).
+mx::Stream cpu_stream();
+mx::array as_float32(const mx::array& a, mx::Stream s);
+
 // x * rsqrt(mean(x^2) + eps) * weight over the last axis (float32).
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 

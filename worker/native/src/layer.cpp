@@ -14,12 +14,6 @@ namespace {
 
 #include "expf.h"
 
-mx::Stream cpu_stream() { return mx::to_stream({}, mx::Device::cpu); }
-
-mx::array as_float32(const mx::array& a, mx::Stream s) {
-  return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, s);
-}
-
 // Checks the residual stream and norm and the layer's projections
 // (`count` of them, each taking `inputs[i]` features); returns h's width.
 int check_layer(const std::string& op, const mx::array& h, const mx::array& norm, const Projections& ps, int count,

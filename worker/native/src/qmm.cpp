@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "fused.h"
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -328,14 +329,14 @@ mx::array qmatmul(
     fail("x's last dimension (" + std::to_string(x_in.ndim() ? x_in.shape(-1) : 0) + ") must be w's " +
          std::to_string(K) + " inputs");
   if (!mx::issubdtype(x_in.dtype(), mx::floating)) fail("x must be a floating-point array");
-  auto stream = mx::to_stream({}, mx::Device::cpu);
-  auto x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, stream);
+  auto stream = cpu_stream();
+  auto x = as_float32(x_in, stream);
   auto shape = x.shape();
   shape.back() = N;
   std::vector<mx::array> inputs{x, w, scales, biases};
   if (residual) {
     if (residual->shape() != shape) fail("residual must have the product's shape");
-    inputs.push_back(residual->dtype() == mx::float32 ? *residual : mx::astype(*residual, mx::float32, stream));
+    inputs.push_back(as_float32(*residual, stream));
   }
   auto out = mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits), inputs);
   return x_in.dtype() == mx::float32 ? out : mx::astype(out, x_in.dtype(), stream);
