@@ -141,7 +141,9 @@ class Stack:
         env: dict[str, str] | None = None,
         shared: bool = False,
         metrics: bool = False,
+        wait: bool = True,
     ):
+        """`wait=False`: return once the processes are started; `ready()` waits for them."""
         if not shared:
             own_processes()
         self.dir = Path(tempfile.mkdtemp(prefix="kvmux-t-", dir="/tmp"))  # short: ipc paths are limited
@@ -184,7 +186,13 @@ class Stack:
         self.broker = self._spawn("broker", self.broker_cmd)
         for _ in range(workers):
             self.add_worker(wait=False)
-        self.wait_workers(workers)
+        if wait:
+            self.ready()
+
+    def ready(self) -> Stack:
+        """Until the workers it started with are registered."""
+        self.wait_workers(len(self.workers))
+        return self
 
     def _make_keys(self) -> list[str]:
         for name, where in (
@@ -365,6 +373,23 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat_file.parent.name))
     return out
+
+
+@contextlib.contextmanager
+def stacks_at_once(**configs: dict):
+    """Stacks by name (each of Stack's keyword arguments), all started
+    before any is waited for, stopped at the end: a worker's start is
+    mostly one core's imports, so on 2 cores they load side by side."""
+    stacks: dict[str, Stack] = {}
+    try:
+        for name, kwargs in configs.items():
+            stacks[name] = Stack(**kwargs, wait=False)
+        for stack in stacks.values():
+            stack.ready()
+        yield stacks
+    finally:
+        for stack in stacks.values():
+            stack.stop()
 
 
 @pytest.fixture

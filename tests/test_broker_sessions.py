@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import Stack
+from conftest import stacks_at_once
 from test_broker_frames import Raw
 
 from kvmux import protocol as p
@@ -20,13 +20,16 @@ IDLE_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def stack():
-    stack = Stack(workers=1, slabs=2, broker_args=["--idle-timeout-s", str(IDLE_S)])
-    yield stack
-    stack.stop()
+def stacks():
+    """One with the idle timeout, one without (a session there must stay), started at once."""
+    with stacks_at_once(
+        idle={"slabs": 2, "broker_args": ["--idle-timeout-s", str(IDLE_S)]}, plain={"slabs": 2}
+    ) as stacks:
+        yield stacks
 
 
-def test_idle_session_expires(stack):
+def test_idle_session_expires(stacks):
+    stack = stacks["idle"]
     with Client(stack.frontend, timeout=30) as client:
         idle = client.open_session()
         busy = client.open_session()
@@ -43,8 +46,8 @@ def test_idle_session_expires(stack):
         busy.close()
 
 
-def test_client_vanishing_mid_stream_cancels_it_and_keeps_the_session(stack_factory):
-    stack = stack_factory(workers=1, slabs=2)  # no idle timeout here: the session must stay
+def test_client_vanishing_mid_stream_cancels_it_and_keeps_the_session(stacks):
+    stack = stacks["plain"]  # no idle timeout here: the session must stay
     raw = Raw(stack.frontend)
     _, opened = raw.call(Op.OPEN, p.OpenSession())
     raw.send(

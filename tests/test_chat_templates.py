@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 from chat_formats import FORMATS, Chat, Format
+from conftest import stacks_at_once
 
 from kvmux.bench.peers import export_mlx_dir
 from kvmux.client import Client
@@ -58,15 +59,24 @@ def with_template(exported, tmp_path, fmt: Format):
     return path
 
 
+@pytest.fixture(scope="module")
+def stacks(exported, tmp_path_factory):
+    """Each template's daemon, all started at once. One slab: Qwen3's two
+    sessions take turns on it, so each turn restores a hibernated session,
+    its template options with it."""
+    models = tmp_path_factory.mktemp("templates")
+    configs = {
+        template: {"slabs": 1, "worker_args": ["--model", str(with_template(exported, models, FORMATS[names[0]]))]}
+        for template, names in STACKS.items()
+    }
+    with stacks_at_once(**configs) as stacks:
+        yield stacks
+
+
 @pytest.mark.parametrize("template", list(STACKS))
-def test_five_turns_feed_each_piece_once_and_keep_the_replies(
-    template, exported, tmp_path, stack_factory, hf_tokenizer
-):
+def test_five_turns_feed_each_piece_once_and_keep_the_replies(template, stacks, hf_tokenizer):
     names = STACKS[template]
-    # One slab: Qwen3's two sessions take turns on it, so each turn restores
-    # a hibernated session, its template options with it.
-    model = with_template(exported, tmp_path, FORMATS[names[0]])
-    stack = stack_factory(workers=1, slabs=1, worker_args=["--model", str(model)])
+    stack = stacks[template]
     with Client(stack.frontend, timeout=120) as client:
         chats = []
         for name in names:

@@ -14,7 +14,7 @@ import time
 
 import msgspec
 import pytest
-from conftest import Daemon, broker_stats
+from conftest import Daemon, broker_stats, stacks_at_once
 
 from kvmux.client import Client, Overloaded, SessionCorrupt, SessionNotFound
 from kvmux.sessions import LocalStore, SessionRecord
@@ -34,29 +34,28 @@ def conversation(i: int) -> list[str]:
 
 
 @pytest.mark.stack
-def test_more_sessions_than_slabs_round_robin(stack_factory):
+def test_more_sessions_than_slabs_round_robin():
     """12 sessions on 2 slabs, reject policy: every turn is served (idle
     sessions hibernate), and every reply equals the same conversation run
-    alone on a fresh daemon."""
-    stack = stack_factory(workers=1, slabs=2, broker_args=["--admission", "reject"])
+    alone on a fresh daemon (started beside the first)."""
     n = 12
-    with Client(stack.frontend, timeout=120) as client:
-        sessions = [client.open_session(system="Be brief.") for _ in range(n)]
-        got = {i: [] for i in range(n)}
-        for turn in range(3):
-            for i, session in enumerate(sessions):
-                got[i].append(reply(session, conversation(i)[turn]))  # an Overloaded here fails the test
-        stats = client.stats()
-        assert stats.hibernations >= n and stats.restores >= n, stats
-        assert stats.sessions == n and stats.sessions_live <= 2 and stats.sessions_hibernated >= n - 2
-        info = sessions[0].info()
-        assert info.state == "hibernated" and info.restores >= 2 and info.kv_live_bytes == 0
-    fresh = stack_factory(workers=1, slabs=1)
-    with Client(fresh.frontend, timeout=120) as client:
-        for i in range(n):
-            with client.open_session(system="Be brief.") as alone:
-                want = [reply(alone, text) for text in conversation(i)]
-            assert got[i] == want, f"session {i}: {got[i]} != {want}"
+    with stacks_at_once(busy={"slabs": 2, "broker_args": ["--admission", "reject"]}, fresh={"slabs": 1}) as stacks:
+        with Client(stacks["busy"].frontend, timeout=120) as client:
+            sessions = [client.open_session(system="Be brief.") for _ in range(n)]
+            got = {i: [] for i in range(n)}
+            for turn in range(3):
+                for i, session in enumerate(sessions):
+                    got[i].append(reply(session, conversation(i)[turn]))  # an Overloaded here fails the test
+            stats = client.stats()
+            assert stats.hibernations >= n and stats.restores >= n, stats
+            assert stats.sessions == n and stats.sessions_live <= 2 and stats.sessions_hibernated >= n - 2
+            info = sessions[0].info()
+            assert info.state == "hibernated" and info.restores >= 2 and info.kv_live_bytes == 0
+        with Client(stacks["fresh"].frontend, timeout=120) as client:
+            for i in range(n):
+                with client.open_session(system="Be brief.") as alone:
+                    want = [reply(alone, text) for text in conversation(i)]
+                assert got[i] == want, f"session {i}: {got[i]} != {want}"
 
 
 @pytest.mark.stack

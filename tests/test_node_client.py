@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq.auth
+from conftest import stacks_at_once
 
 from kvmux.client import Client
 
@@ -30,6 +31,13 @@ def node_package() -> Path:
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=PACKAGE, check=True)
     subprocess.run(["npm", "run", "--silent", "build"], cwd=PACKAGE, check=True)
     return PACKAGE
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    """Each test's stack of its own, all started at once."""
+    with stacks_at_once(suite={"slabs": 3}, tools={"slabs": 2}, curve={"slabs": 2, "curve": True}) as stacks:
+        yield stacks
 
 
 def node_test(package: Path, files: list[str], endpoint: str, **env: str) -> subprocess.Popen:
@@ -57,8 +65,8 @@ def passed(node: subprocess.Popen, stack) -> str:
     return output
 
 
-def test_node_suite_beside_a_python_client(stack_factory, node_package):
-    stack = stack_factory(workers=1, slabs=3)
+def test_node_suite_beside_a_python_client(stacks, node_package):
+    stack = stacks["suite"]
     with Client(stack.frontend, timeout=60) as client, client.open_session() as session:
         node = node_test(node_package, ["dist/test/vectors.test.js", "dist/test/client.test.js"], stack.frontend)
         overlapping_turns = 0
@@ -80,14 +88,14 @@ def test_node_suite_beside_a_python_client(stack_factory, node_package):
     assert lost.returncode == 0 and "skipped 0" in output, f"{output}\n{stack.logs()}"
 
 
-def test_node_tools_structured_output_logprobs(stack_factory, node_package):
-    stack = stack_factory(workers=1, slabs=2)
+def test_node_tools_structured_output_logprobs(stacks, node_package):
+    stack = stacks["tools"]
     output = passed(node_test(node_package, ["dist/test/tools.test.js"], stack.frontend), stack)
     assert "KVMUX_ENDPOINT not set" not in output, output  # the stack tests really ran
 
 
-def test_node_chats_over_curve(stack_factory, node_package):
-    stack = stack_factory(workers=1, slabs=2, curve=True)
+def test_node_chats_over_curve(stacks, node_package):
+    stack = stacks["curve"]
 
     def keys(name: str) -> tuple[str, str]:
         public, secret = zmq.auth.load_certificate(stack.keys / f"{name}.key_secret")

@@ -12,7 +12,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import KEY, Daemon, api, http_gateway, kvmux_command
+from conftest import KEY, Daemon, api, http_gateway, kvmux_command, stacks_at_once
 
 from kvmux.bench import redis_server as bench_redis
 from kvmux.client import Client
@@ -34,6 +34,14 @@ TOOLS = [
     for i in range(5)
 ]
 SMALL = ["--prefix-min-tokens", "256"]  # the openings here are ~500 tokens
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    """Two stack tests' stacks of their own, started at once."""
+    gateway = {"slabs": 6, "worker_args": ["--batch-invariant", *SMALL]}
+    with stacks_at_once(gateway=gateway, pair={"workers": 2, "slabs": 3, "worker_args": SMALL}) as stacks:
+        yield stacks
 
 
 def ask(client: Client, question: str, prefix: str = "auto", system: str = SYSTEM, tools=TOOLS, max_tokens: int = 12):
@@ -68,12 +76,12 @@ def test_an_opening_seen_again_is_restored_and_answers_as_a_cold_session(shared_
 
 
 @pytest.mark.stack
-def test_ten_conversations_through_the_gateway_share_their_opening_and_keep_their_own_sessions(stack_factory, tmp_path):
+def test_ten_conversations_through_the_gateway_share_their_opening_and_keep_their_own_sessions(stacks, tmp_path):
     """Batch-invariant mode, through the openai package: conversations 2..10
     report the shared opening as cached and answer exactly as a cold session;
     three conversations whose first request is the same each keep a session
     of their own, and their second turns find it."""
-    stack = stack_factory(slabs=6, worker_args=["--batch-invariant", *SMALL])
+    stack = stacks["gateway"]
     questions = [f"What is the warranty of W{i}?" for i in range(10)]
     with http_gateway(stack, tmp_path, ["sk-a"]) as base, Client(stack.frontend) as client:
         openai = api(base, "sk-a")
@@ -221,11 +229,11 @@ def test_prefix_options_are_checked(shared_stack):
 
 
 @pytest.mark.stack
-def test_a_session_that_opens_as_an_earlier_one_goes_to_its_worker(stack_factory):
+def test_a_session_that_opens_as_an_earlier_one_goes_to_its_worker(stacks):
     """The broker places a new session beside the sessions that opened as it
     does (the worker holds their prefix in memory), even where another
     worker has more free slabs."""
-    stack = stack_factory(workers=2, slabs=3, worker_args=SMALL)
+    stack = stacks["pair"]
     with Client(stack.frontend) as client:
         first = client.open_session(SYSTEM, tools=TOOLS)
         list(first.chat("Hello!", max_tokens=4))

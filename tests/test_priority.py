@@ -10,7 +10,7 @@ import time
 
 import openai
 import pytest
-from conftest import api, broker_stats
+from conftest import api, broker_stats, stacks_at_once
 
 from kvmux.client import Client, InvalidArgument
 from kvmux.http.cli import read_keys
@@ -23,9 +23,16 @@ def wait_queued(stack, depth: int) -> None:
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="module")
+def stacks():
+    """The two stack tests' stacks of their own, started at once."""
+    with stacks_at_once(queue={"slabs": 1, "broker_args": ["--admission", "queue"]}, chunks={"slabs": 3}) as stacks:
+        yield stacks
+
+
 @pytest.mark.stack
-def test_a_full_queue_serves_high_priority_first(stack_factory):
-    stack = stack_factory(workers=1, slabs=1, broker_args=["--admission", "queue"])
+def test_a_full_queue_serves_high_priority_first(stacks):
+    stack = stacks["queue"]
     answered: list[str] = []
     lock = threading.Lock()
 
@@ -83,11 +90,11 @@ def test_a_key_file_gives_keys_their_default_priority():
 
 
 @pytest.mark.stack
-def test_a_higher_priority_prefill_takes_whole_chunks_while_lower_streams_wait(stack_factory):
+def test_a_higher_priority_prefill_takes_whole_chunks_while_lower_streams_wait(stacks):
     """Beside a decoding stream, an equal priority's prefill shares each pass
     in small chunks (worker/pace.py); a higher one's takes whole chunks, the
     stream waiting for it: its 2,000 tokens are in sooner."""
-    stack = stack_factory(workers=1, slabs=3)
+    stack = stacks["chunks"]
     with Client(stack.frontend, timeout=120) as client:
         streaming = client.open_session()
         story = [{"role": "user", "content": "Tell a long story."}]

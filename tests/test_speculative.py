@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import KERNELS, Stack, broker_stats, kvmux_command
+from conftest import KERNELS, broker_stats, kvmux_command, stacks_at_once
 
 from kvmux import protocol as p
 from kvmux.client import Client, errors
@@ -90,30 +90,25 @@ def run_all(client: Client, prompts, window: int | None = None, **options):
 
 
 @pytest.fixture(scope="module")
-def spec_stack():
-    stack = Stack(workers=1, slabs=10)
-    yield stack
-    stack.stop()
+def stacks():
+    """A worker on each kernel family, both started at once."""
+    with stacks_at_once(**{kernels: {"slabs": 10, "env": env} for kernels, env in KERNELS.items()}) as stacks:
+        yield stacks
 
 
 @pytest.fixture(scope="module")
-def haswell_stack():
-    stack = Stack(workers=1, slabs=10, env=KERNELS["haswell"])
-    yield stack
-    stack.stop()
+def spec_stack(stacks):
+    return stacks["native"]
 
 
-KERNEL_STACKS = {"native": "spec_stack", "haswell": "haswell_stack"}
-
-
-@pytest.mark.parametrize("kernels", KERNEL_STACKS)
-def test_greedy_speculative_equals_off_on_twenty_prompts_in_mixed_batches(request, near_tie, kernels):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_greedy_speculative_equals_off_on_twenty_prompts_in_mixed_batches(stacks, near_tie, kernels):
     """20 prompts, short and long, ten sessions at a time sharing passes
     (speculating and plain ones together): `auto` gives the tokens `off`
     gives (or parts at a near tie), and drafts were made and taken on the edits.
     On the forced AVX2 kernels the ten edits and two of the long prompts:
     all twenty there cost CI 80 s more for the same passes."""
-    stack = request.getfixturevalue(KERNEL_STACKS[kernels])
+    stack = stacks[kernels]
     exact = stack.exact()
     long = PROMPTS[10:] if kernels == "native" else PROMPTS[10:12]
     with Client(stack.frontend, timeout=600) as client:
@@ -135,11 +130,11 @@ def test_greedy_speculative_equals_off_on_twenty_prompts_in_mixed_batches(reques
     assert 0 < worker.accepted <= worker.drafted
 
 
-@pytest.mark.parametrize("kernels", KERNEL_STACKS)
-def test_speculation_past_the_window_wrap_equals_off(request, near_tie, kernels):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_speculation_past_the_window_wrap_equals_off(stacks, near_tie, kernels):
     """Sessions whose 64-token window wraps many times while they draft and
     take back rejected drafts decode what they decode plainly."""
-    stack = request.getfixturevalue(KERNEL_STACKS[kernels])
+    stack = stacks[kernels]
     exact = stack.exact()
     length = 1 if kernels == "native" else 0.5  # the window wraps 2-4 times on the forced AVX2 kernels, 4-6 here
     prompts = [(text, int(300 * length)) for text, _ in PROMPTS[:4]] + [
@@ -221,7 +216,7 @@ def test_bad_speculative_options_are_typed_errors(spec_stack):
 
 
 def test_draft_models_give_off_s_tokens_and_a_different_one_gets_rejections(
-    stack_factory, model_path, hf_tokenizer, tmp_path, near_tie
+    model_path, hf_tokenizer, tmp_path, near_tie
 ):
     """The embedded model as its own draft (its drafts stand), and a tiny
     random model with the same tokenizer (a draft that differs: its drafts
@@ -233,14 +228,17 @@ def test_draft_models_give_off_s_tokens_and_a_different_one_gets_rejections(
     _write_tiny_llama(tiny, len(hf_tokenizer))
     prompts = [(PROMPTS[i][0], 48) for i in (0, 2, 10, 12)]
     results, exact = {}, True
-    for name, draft in (("self", model_path), ("tiny", tiny)):
-        stack = stack_factory(workers=1, slabs=4, worker_args=["--draft-model", str(draft)])
-        exact &= stack.exact()
-        with Client(stack.frontend, timeout=600) as client:
-            if name == "self":
-                results["off"] = run_all(client, prompts, speculative="off")
-            results[name] = run_all(client, prompts, speculative="draft")
-        stack.stop()
+    drafts = {
+        name: {"slabs": 4, "worker_args": ["--draft-model", str(draft)]}
+        for name, draft in (("self", model_path), ("tiny", tiny))
+    }
+    with stacks_at_once(**drafts) as stacks:
+        for name, stack in stacks.items():
+            exact &= stack.exact()
+            with Client(stack.frontend, timeout=600) as client:
+                if name == "self":
+                    results["off"] = run_all(client, prompts, speculative="off")
+                results[name] = run_all(client, prompts, speculative="draft")
     for name in ("self", "tiny"):
         for (a, _, prompt), (b, rb, _) in zip(results["off"], results[name], strict=True):
             near_tie(prompt, a, b, exact)

@@ -9,6 +9,7 @@ came over the pipe; it never touches the scheduler or an MLX object.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -83,6 +84,7 @@ class Worker:
         self.status = control.Status(free_slabs=config.slabs, running=0, sessions={})  # its last STATUS
         self.broker: zmq.Socket | None = None
         self.pipe: zmq.Socket | None = None
+        self.signals: tuple[socket.socket, socket.socket] | None = None  # a signal's wakeup (run)
         self.poller = zmq.Poller()
         self.last_heard = self.next_beat = 0.0
         self.endpoints = [e.strip() for e in config.connect.split(",") if e.strip()]
@@ -174,6 +176,11 @@ class Worker:
                 store=store.store_id,
                 compute=compute_info(str(mx.default_device()), engine.padding, str(loaded.layout), loaded.kernel),
             )
+            # What loading made lives as long as the process: frozen, the
+            # collector never scans it again (~0.1 s a full collection of
+            # ~230k objects while serving, ~0.5 s at exit).
+            gc.freeze()
+            gc.enable()
             pipe.send_multipart([control.LOADED, p.encode(ready)])
             scheduler.run()
             scheduler.save_all()
@@ -196,6 +203,7 @@ class Worker:
         failed; 2 when the model (or draft model) was refused at load."""
         self.pipe = self.ctx.socket(zmq.PAIR)
         self.pipe.bind(control.PIPE)
+        gc.disable()  # until the model is loaded (_compute): imports run ~15 % faster without collections
         compute = threading.Thread(target=self._compute, name="kvmux-compute", daemon=True)
         compute.start()
         first = self.pipe.recv_multipart()
@@ -205,12 +213,22 @@ class Worker:
         self.ready_body = first[1]
         signal.signal(signal.SIGTERM, self._request_drain)
         signal.signal(signal.SIGINT, self._request_drain)
+        # A signal wakes the poll: pyzmq runs the handler, then resumes a
+        # poll that would otherwise see it only at the next heartbeat.
+        self.signals = socket.socketpair()  # Python writes a signal's number to [1]
+        for end in self.signals:
+            end.setblocking(False)
+        signal.set_wakeup_fd(self.signals[1].fileno(), warn_on_full_buffer=False)
 
         self.poller.register(self.pipe, zmq.POLLIN)
+        self.poller.register(self.signals[0], zmq.POLLIN)
         self._connect()
         while True:
             events = dict(self.poller.poll(self._poll_ms()))
             now = time.monotonic()
+            if self.signals[0] in events:
+                with contextlib.suppress(BlockingIOError):
+                    self.signals[0].recv(64)  # the handler ran: _tick sees what it asked
             if self.pipe in events and not self._pump_compute():
                 return 1
             if self.broker in events:
