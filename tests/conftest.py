@@ -27,6 +27,7 @@ import zmq.auth
 from kvmux import protocol as p
 
 STARTUP_TIMEOUT_S = 120.0  # a worker loads the model in seconds; 2 busy cores are slow
+WAIT_POLL_S = 0.05  # a wait for workers asks the broker this often: each wait loses half of it
 
 # Kernel families a test's workers run on: the machine's own, and AVX2
 # forced, both for kvmux's CPU kernel (--cpu-kernel) and for OpenBLAS's
@@ -252,7 +253,7 @@ class Stack:
             stats = broker_stats(self.admin, timeout_s=1.0)
             if stats is not None and len(stats.workers) >= count:
                 return stats
-            time.sleep(0.2)
+            time.sleep(WAIT_POLL_S)
         raise TimeoutError(f"{count} workers not registered in {timeout_s}s\n{self.logs()}")
 
     def restart_broker(self) -> None:
@@ -315,7 +316,7 @@ class Daemon:
             stats = broker_stats(self.frontend, timeout_s=1.0)
             if stats is not None and len(stats.workers) >= count:
                 return stats
-            time.sleep(0.2)
+            time.sleep(WAIT_POLL_S)
         raise TimeoutError(f"{count} workers not registered\n{self.logs()}")
 
     def alive(self) -> bool:

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from conftest import KERNELS, stacks_at_once
+from conftest import KERNELS
 
 from kvmux.client import Client
 
@@ -23,17 +23,6 @@ PROMPTS = [
     "Describe the life of a honey bee through a year.",
     "Write a letter from a sailor to his family.",
 ]
-
-
-@pytest.fixture(scope="module")
-def stacks():
-    """Each test's worker of its own, all started at once."""
-    configs = {"streaming": {"slabs": 2}}
-    for kernels, env in KERNELS.items():
-        configs[f"eight-{kernels}"] = {"slabs": 8, "env": env}
-        configs[f"invariant-{kernels}"] = {"slabs": 3, "worker_args": ["--batch-invariant"], "env": env}
-    with stacks_at_once(**configs) as stacks:
-        yield stacks
 
 
 def decode(session, max_tokens: int) -> list[int]:
@@ -75,12 +64,14 @@ def together_and_alone(stack, hf_tokenizer, near_tie, count: int, tokens: int) -
 
 @pytest.mark.stack
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(stacks, hf_tokenizer, near_tie, kernels):
+def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
+    stack_factory, hf_tokenizer, near_tie, kernels
+):
     """The default mode, on either kernel family: 8 sessions decode 160
     tokens together as alone, bit for bit: kvmux's CPU kernel sums each
     row in a fixed order, so nothing needs padding (test_native.py has the
     fallback's near ties), and the worker says so."""
-    stack = stacks[f"eight-{kernels}"]
+    stack = stack_factory(workers=1, slabs=8, env=KERNELS[kernels])
     compute = stack.stats().workers[0].compute
     assert compute.mode == "default" and compute.blas.startswith("OpenBLAS")
     assert compute.exact and not compute.floors and not compute.rows_alone and compute.pad_cost == 1.0
@@ -91,24 +82,24 @@ def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(sta
 
 @pytest.mark.stack
 @pytest.mark.parametrize("kernels", KERNELS)
-def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stacks, hf_tokenizer, near_tie, kernels):
+def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stack_factory, hf_tokenizer, near_tie, kernels):
     """--batch-invariant pads every pass whatever it costs: sessions decode
     together exactly what they decode alone, bit for bit."""
-    stack = stacks[f"invariant-{kernels}"]
+    stack = stack_factory(workers=1, slabs=3, worker_args=["--batch-invariant"], env=KERNELS[kernels])
     compute = stack.stats().workers[0].compute
     assert compute.mode == "batch-invariant" and compute.exact
     together_and_alone(stack, hf_tokenizer, near_tie, 3, 24)
 
 
 @pytest.mark.stack
-def test_a_session_keeps_streaming_while_another_appends_a_long_history(stacks, hf_tokenizer):
+def test_a_session_keeps_streaming_while_another_appends_a_long_history(stack_factory, hf_tokenizer):
     """A 1,000-token append shares passes with a running stream: the stream
     gets tokens all through the append, one per pass, and the passes carry a
     few prefill tokens each (worker/pace.py keeps such a pass within ~2x a
     decode-only one), not a 128-token chunk; it keeps going after. On a
     worker of its own: its pace learns from this stream's rounds alone (a
     shared worker's earlier rounds could hold the share at one token)."""
-    stack = stacks["streaming"]
+    stack = stack_factory(workers=1, slabs=2)
     counting = hf_tokenizer.encode(", ".join(str(i) for i in range(1, 40)) + ",")  # the model counts on, no EOS
     long_text = " ".join(f"Item {i} is a small grey stone from the river bank." for i in range(85))
     arrivals: list[float] = []
