@@ -87,9 +87,12 @@ class Models:
         log.info("model_loading", model=d.model_id, estimate_bytes=self._bytes(d), budget_bytes=self.budget)
 
     def registered(self, model_id: str, now: float) -> None:
-        """A worker of `model_id` registered: loaded, if it was loading."""
+        """A worker of `model_id` registered: loaded, if it was loading. Its
+        idle time counts from here, not from the load's start (a load
+        longer than idle_unload_s unloaded the model as it became ready)."""
         since = self.loading_at.pop(model_id, None)
         if since is not None:
+            self.last_used[model_id] = now
             log.info("model_ready", model=model_id, seconds=round(now - since, 3))
 
     @property
