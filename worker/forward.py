@@ -7,7 +7,8 @@ session's tokens through one pass reads them once. Embedding, projections,
 MLP and head run on all the pass's tokens together; attention runs per
 session on its own slab (worker/attention.py), so slabs stay separate and
 sessions of any length, sink and window share a pass, a prefill chunk
-included.
+included. Where kvmux_native runs the model (worker/cpu_kernel.py), a
+llama-style layer is three of its ops around the slab (`cpu_kernel.fused`).
 
 Decode rows can be row-invariant: a row's logits need not depend on what
 else is in the pass. Attention makes them so by construction. The
