@@ -104,10 +104,10 @@ class Pool {
       return;
     }
     Task task = [&items](int i) { items(i); };
-    task_ = &task;
-    count_ = count;
-    finished_.store(0, std::memory_order_relaxed);
     const uint64_t job = (word_.load() >> 32) + 1;
+    tasks_[job & 1].store(&task, std::memory_order_relaxed);
+    counts_[job & 1].store(count, std::memory_order_relaxed);
+    finished_.store(0, std::memory_order_relaxed);
     word_.store(job << 32);
     if (sleeping_.load() > 0) {  // seq_cst with the sleeper's increment: it sees the job or is told
       { std::lock_guard<std::mutex> lock(sleep_); }
@@ -124,12 +124,21 @@ class Pool {
   using Task = std::function<void(int)>;
   static constexpr int SPIN = 200;  // pauses (~4 us) before sleeping
 
-  // Claim and run items of `job` until none is left.
+  // Claim and run items of `job` until none is left. A job's task and
+  // count sit in the slot of its generation's parity: the next job's
+  // caller fills the other slot before it publishes, so a thread still
+  // holding this job's word never reads the next job's count against it
+  // (with one slot, a claim past this job's last item could succeed on
+  // the unchanged word and run the next job's item before it was
+  // published, its finish counted against the next job: a job ended with
+  // an item still running, and that item's task gone).
   void work(uint64_t job) {
+    const auto& task = tasks_[job & 1];
+    const auto& count = counts_[job & 1];
     uint64_t word = word_.load(std::memory_order_acquire);
-    while ((word >> 32) == job && int(word & 0xFFFFFFFF) < count_) {
+    while ((word >> 32) == job && int(word & 0xFFFFFFFF) < count.load(std::memory_order_relaxed)) {
       if (!word_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel)) continue;
-      (*task_)(int(word & 0xFFFFFFFF));
+      (*task.load(std::memory_order_relaxed))(int(word & 0xFFFFFFFF));
       finished_.fetch_add(1, std::memory_order_release);
       word = word_.load(std::memory_order_acquire);
     }
@@ -159,8 +168,8 @@ class Pool {
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> word_{0};  // job generation << 32 | next item
   std::atomic<int> finished_{0}, sleeping_{0};
-  const Task* task_ = nullptr;
-  int count_ = 0;
+  std::atomic<const Task*> tasks_[2] = {nullptr, nullptr};  // by the generation's parity (see work)
+  std::atomic<int> counts_[2] = {0, 0};
   std::atomic<bool> stop_{false};
   std::mutex sleep_;
   std::condition_variable wake_;
