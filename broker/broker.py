@@ -486,6 +486,9 @@ class Broker:
         if session.state is State.HIBERNATING:  # it is on its way to the store: this waits for the answer
             session.held.append(frame)
             return
+        if session.worker is not None and session.worker.draining and env.op in _STREAMING:
+            session.held.append(frame)  # its worker exits (an unload): restored where its model runs next
+            return
         if session.worker is None:
             return self.lifecycle.dormant(frame, session)
         if env.op != Op.CREDIT:  # CREDIT has no reply of its own: nothing to track
@@ -648,7 +651,9 @@ class Broker:
             return
         if env.op == Op.HEARTBEAT:
             beat = decode_body(Op.HEARTBEAT, body)
-            worker.running, worker.draining = beat.running, beat.draining
+            # A worker drains only on its way out: a heartbeat sent before
+            # it saw the broker's SIGTERM does not undo the broker's mark.
+            worker.running, worker.draining = beat.running, worker.draining or beat.draining
             worker.drafted, worker.accepted, worker.link_bytes = beat.drafted, beat.accepted, beat.link_bytes
             worker.kv_bytes = beat.kv_bytes
             worker.prefixes = beat.prefixes
@@ -779,12 +784,12 @@ class Broker:
         shared = store == self.store.store_id or any(
             w is not worker and w.ready.store == store for w in self.registry.workers.values()
         )
-        sessions = len(worker.sessions)
+        sessions = [self.registry.sessions[s] for s in worker.sessions]
         if not (shared or returning):
             self.lifecycle.strand(store, [s.session_id for s in self.registry.sessions.values() if s.store == store])
         lost = self.registry.remove_worker(worker, why, stored=shared or returning)
         self.metrics.workers_lost.labels(worker.ready.model).inc()
-        log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=sessions)
+        log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=len(sessions))
         for req in lost:
             if req.route and not req.orphaned:
                 self.error(
@@ -794,6 +799,8 @@ class Broker:
                     ErrorCode.WORKER_LOST,
                     f"worker {worker.worker_id} lost ({why})",
                 )
+        for session in sessions:
+            self.lifecycle.release(session)
 
     # ------------------------------------------------- the broker's requests
 

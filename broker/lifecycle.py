@@ -298,6 +298,12 @@ class Lifecycle:
             log.info("hibernate_refused", session=session.session_id, why=decode_reply(body).message)
             if session.state is State.HIBERNATING:
                 self.registry.stays_live(session)
+        self.release(session)
+
+    def release(self, session: SessionEntry) -> None:
+        """The calls held while the session was leaving its slab (for the
+        store, or with its worker's exit): served as they would have been
+        (a session lost with its worker answers them why)."""
         held, session.held = session.held, []
         for frame in held:
             try:

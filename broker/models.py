@@ -196,12 +196,18 @@ class Models:
             for victim in victims:
                 if need <= 0:
                     break
-                self.unload(victim, "budget", now)
+                self.unload(victim, "budget", now, registry)
                 need -= self._bytes(victim)
             return  # loaded once those leaving have exited (or never, if they cannot leave: the queue times out)
         self._load(declared, now)
 
-    def unload(self, declared: Declared, why: str, now: float) -> None:
+    def unload(self, declared: Declared, why: str, now: float, registry: Registry) -> None:
+        """SIGTERM its workers, marked draining at once: no call reaches
+        them from now on (one would be refused as the worker drains)."""
+        pids = set(self.local.pids(declared.model_id))
+        for w in registry.workers.values():
+            if w.runs(declared.model_id) and w.ready.pid in pids:
+                w.draining = True
         self.local.unload(declared.model_id)
         self.unloads += 1
         idle = round(now - self.last_used.get(declared.model_id, now), 1)
@@ -237,7 +243,7 @@ class Models:
                 and not self._busy(d.model_id, registry, admission)
                 and any(w.runs(d.model_id) for w in registry.workers.values())
             ):
-                self.unload(d, "idle", now)
+                self.unload(d, "idle", now, registry)
         for model_id in dict.fromkeys(p.model for p in admission.queue):
             if not any(w.runs(model_id) for w in registry.workers.values()):
                 self.want(model_id, now, registry, admission)

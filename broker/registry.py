@@ -28,7 +28,7 @@ class WorkerEntry:
     opening: int = 0  # OPENs forwarded and not answered yet (their slab is reserved)
     in_flight: int = 0
     running: int = 0  # from its heartbeat
-    draining: bool = False  # from its heartbeat: it takes no new sessions
+    draining: bool = False  # from its heartbeat, or the broker's unload: it takes no new work and exits
     drafted: int = 0  # from its heartbeat: speculative tokens drafted and accepted
     accepted: int = 0
     link_bytes: int = 0  # from its heartbeat: a worker group's traffic between its ranks

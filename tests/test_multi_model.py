@@ -8,6 +8,7 @@ openai package and the Node client name a model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import pytest
 from conftest import KEY, Daemon, api, broker_stats, http_gateway, kvmux_command
 from test_node_client import node_package  # noqa: F401 (a fixture)
 
-from kvmux.client import Client, ModelNotFound
+from kvmux.client import AsyncClient, Client, ModelNotFound
 
 pytestmark = pytest.mark.stack  # starts processes of its own
 
@@ -258,4 +259,25 @@ def test_a_budget_for_one_model_alternates_under_two_clients(tmp_path, gemma_pat
                     for i in range(3)
                 ]
             assert replies[model] == alone, model
+        assert asyncio.run(behind_an_unload(daemon.frontend)) == replies["gemma"][:2]
+        assert broker_stats(daemon.frontend).model_unloads >= stats.model_unloads + 2
         print(f"budget: loads {stats.model_loads}, unloads {stats.model_unloads}")
+
+
+async def behind_an_unload(frontend: str) -> list[str]:
+    """Gemma resident: on one socket (the broker reads it in order), an
+    OPEN of SmolLM2 that unloads Gemma, then a call on a Gemma session. The
+    call waits for Gemma's worker to exit and is restored where Gemma loads
+    again, never refused by the draining worker. Gemma's two replies."""
+
+    async def text(stream) -> str:
+        return "".join([c.text async for c in stream])
+
+    async with AsyncClient(frontend, timeout=300) as client:
+        session = await client.open_session(model="gemma")
+        first = await text(session.chat("Name colour 0.", max_tokens=4, temperature=0))
+        opening = asyncio.ensure_future(client.open_session(model="smol"))
+        await asyncio.sleep(0)  # its OPEN is posted first
+        second = await text(session.chat("Name colour 1.", max_tokens=4, temperature=0))
+        await (await opening).close()
+        return [first, second]
