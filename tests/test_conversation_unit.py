@@ -13,8 +13,8 @@ from chat_formats import EOS, FORMATS
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux.protocol import ErrorCode, ProtocolError
+from kvmux.worker import gguf_tokenizer as gguf_file_tokenizer
 from kvmux.worker.conversation import Conversation
-from kvmux.worker.model import gguf_tokenizer as load_gguf_tokenizer
 
 # SmolLM2's template (ChatML), as the GGUF carries it.
 DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -25,7 +25,7 @@ TURN_END = "<|im_end|>\n"
 @pytest.fixture(scope="module")
 def gguf_tokenizer(model_path):
     """transformers' tokenizer, as worker/model.py builds it for a GGUF."""
-    return load_gguf_tokenizer(model_path)
+    return gguf_file_tokenizer.load(model_path)
 
 
 @pytest.fixture(scope="module")

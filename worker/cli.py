@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from kvmux import logs, settings, tracing
+from kvmux.worker import gguf_tokenizer
 from kvmux.worker.preload import ensure_preloaded
 from kvmux.worker.server import Worker, WorkerConfig
 
@@ -28,6 +29,7 @@ def worker(**options: Any) -> None:
         typer.echo(f"kvmux worker: {exc}", err=True)
         raise typer.Exit(2) from None
     ensure_preloaded()
+    gguf_tokenizer.hide_torch()  # before anything imports transformers
     logs.configure()
     tracing.setup("kvmux-worker")
     group = None

@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +30,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux import logs, paths
 
-from . import architectures, cpu_kernel, gguf_file
+from . import architectures, cpu_kernel, gguf_file, gguf_tokenizer
 from .layout import Layout, Part, layer_windows
 from .slab import SlabCache, copy_slab, make_slab
 
@@ -93,30 +91,6 @@ class LoadedModel:
         its own window's), on every rank."""
         slots = sum(layer.max_size for layer in make_slab(self.windows, sink, window, spare))
         return slots * self.kv_bytes_per_token // len(self.windows)
-
-
-def gguf_tokenizer(path: Path):
-    """transformers rebuilds the HF tokenizer (and its chat template) from the
-    GGUF metadata, which takes seconds; the result is cached on disk, keyed by
-    the file's size and mtime, so later worker starts load it in a blink."""
-    from transformers import AutoTokenizer
-
-    stat = path.stat()
-    cached = paths.cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-    if cached.is_dir():
-        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    staging = None
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
-        tokenizer.save_pretrained(str(staging))
-        staging.rename(cached)  # atomic: a worker starting beside us sees all or nothing
-    except OSError as exc:  # read-only home, or another worker won the race
-        log.debug("tokenizer_cache_skipped", reason=str(exc))
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer
 
 
 def digest(path: Path) -> str:
@@ -234,7 +208,7 @@ def load(
         model, quantized = _load_gguf(path, keep_quantized, part)
         tokenizer = None
         if part is None or part.rank == 0:  # a later rank of a group sees no text (nor transformers)
-            tokenizer = gguf_tokenizer(path)
+            tokenizer = gguf_tokenizer.load(path)
             tokenizer = TokenizerWrapper(tokenizer, eos_token_ids=_turn_ends(tokenizer))
     else:
         from mlx_lm.utils import dequantize_model
