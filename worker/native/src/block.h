@@ -4,7 +4,9 @@
 // Each file wraps it in a namespace of its own: nothing here is shared
 // between instruction sets at link time.
 //
-// V provides: vec, zero(), set1(f), load(p), store(p, v), fma(a, b, c)
+// V provides: vec, PARTS (registers a vec is made of: where more than one,
+// part, load_part(p), fma_part(a, b, c) and part_of(v, h), a reference to
+// its h-th register), zero(), set1(f), load(p), store(p, v), fma(a, b, c)
 // (a * b + c, one rounding), hsum(v) (the fixed tree of kernels.h),
 // codes4(p, even, odd) (32 4-bit codes from 16 bytes), codes8(p) (16 8-bit codes) and
 // half(h) (a float16's bits to float), halves16(p, out) (16 of them).
@@ -179,6 +181,10 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
 }
 
 // MB rows of x against NB dequantized rows of W: one accumulator each.
+// Where a vector is two registers (V::PARTS, AVX2), each half's products
+// are made on their own, so that only half of the weight rows' vectors
+// are held at once and each x vector is loaded once, not once per weight
+// row (16 registers); every lane's sum runs in the same order either way.
 template <class V, int NB, int MB>
 void tile(const float* x, int ldx, const float* w, int K, float* out, int ldo) {
   typename V::vec acc[MB][NB];
@@ -188,16 +194,34 @@ void tile(const float* x, int ldx, const float* w, int K, float* out, int ldo) {
     for (int j = 0; j < NB; ++j)
       acc[i][j] = V::zero();
   for (int k = 0; k < K; k += 16) {
-    typename V::vec wv[NB];
+    if constexpr (V::PARTS > 1) {
+      constexpr int W = 16 / V::PARTS;
+#pragma GCC unroll 2
+      for (int h = 0; h < V::PARTS; ++h) {
+        typename V::part wv[NB];
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j)
-      wv[j] = V::load(w + size_t(j) * K + k);
+        for (int j = 0; j < NB; ++j)
+          wv[j] = V::load_part(w + size_t(j) * K + k + W * h);
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) {
-      const auto xv = V::load(x + size_t(i) * ldx + k);
+        for (int i = 0; i < MB; ++i) {
+          const auto xv = V::load_part(x + size_t(i) * ldx + k + W * h);
+#pragma GCC unroll 8
+          for (int j = 0; j < NB; ++j)
+            V::part_of(acc[i][j], h) = V::fma_part(xv, wv[j], V::part_of(acc[i][j], h));
+        }
+      }
+    } else {
+      typename V::vec wv[NB];
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j)
-        acc[i][j] = V::fma(xv, wv[j], acc[i][j]);
+        wv[j] = V::load(w + size_t(j) * K + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        const auto xv = V::load(x + size_t(i) * ldx + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j)
+          acc[i][j] = V::fma(xv, wv[j], acc[i][j]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -222,62 +246,68 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
         tile<V, NB, MB>(x, K, w, K, out, p.N);
         continue;
       }
-      for (int i = 0; i < MB && mb + i < m1; ++i)
+      for (int i = 0; i < MB && mb + i < m1; ++i) {
+        if (full_n) {
+          tile<V, NB, 1>(x + size_t(i) * K, K, w, K, out + size_t(i) * p.N, p.N);
+          continue;
+        }
         for (int j = 0; j < NB && nb + j < n1; ++j)
           tile<V, 1, 1>(x + size_t(i) * K, K, w + size_t(j) * K, K, out + size_t(i) * p.N + j, p.N);
+      }
     }
   }
 }
 
-// Rows m0..m1 of x by rows n0..n1 of W: up to MB rows of x straight from
-// the codes, more through the scratch (the weights dequantized once for
-// all of them). `SMALL_NB`: the weight rows in flight in the direct path.
-template <class V, int BITS, kvmux_native::ScaleType ST, int SMALL_NB, int NB, int MB>
+// Rows m0..m1 of x by rows n0..n1 of W: up to DIRECT rows of x straight
+// from the codes (DIRECT weight rows in flight), more through the scratch
+// (the weights dequantized once for all of them) in tiles of NB weight
+// rows by MB rows of x: the same products and sums either way.
+template <class V, int BITS, kvmux_native::ScaleType ST, int DIRECT, int NB, int MB>
 void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   switch (m1 - m0) {
     case 1:
-      return direct<V, BITS, ST, SMALL_NB, 1>(p, n0, n1, m0);
+      return direct<V, BITS, ST, DIRECT, 1>(p, n0, n1, m0);
     case 2:
-      if constexpr (MB >= 2) return direct<V, BITS, ST, SMALL_NB, 2>(p, n0, n1, m0);
+      if constexpr (DIRECT >= 2) return direct<V, BITS, ST, DIRECT, 2>(p, n0, n1, m0);
       break;
     case 3:
-      if constexpr (MB >= 3) return direct<V, BITS, ST, SMALL_NB, 3>(p, n0, n1, m0);
+      if constexpr (DIRECT >= 3) return direct<V, BITS, ST, DIRECT, 3>(p, n0, n1, m0);
       break;
     case 4:
-      if constexpr (MB >= 4) return direct<V, BITS, ST, SMALL_NB, 4>(p, n0, n1, m0);
+      if constexpr (DIRECT >= 4) return direct<V, BITS, ST, DIRECT, 4>(p, n0, n1, m0);
       break;
   }
   scratch_block<V, BITS, ST, NB, MB>(p, n0, n1, m0, m1, scratch);
 }
 
-template <class V, int BITS, int SMALL_NB, int NB, int MB>
+template <class V, int BITS, int DIRECT, int NB, int MB>
 void block_bits(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   using kvmux_native::ScaleType;
   switch (p.scale_type) {
     case ScaleType::float16:
-      return block_typed<V, BITS, ScaleType::float16, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_typed<V, BITS, ScaleType::float16, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     case ScaleType::bfloat16:
-      return block_typed<V, BITS, ScaleType::bfloat16, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_typed<V, BITS, ScaleType::bfloat16, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     default:
-      return block_typed<V, BITS, ScaleType::float32, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_typed<V, BITS, ScaleType::float32, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
   }
 }
 
-template <class V, int SMALL_NB, int NB, int MB>
+template <class V, int DIRECT, int NB, int MB>
 void block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   switch (p.bits) {
     case 4:
-      return block_bits<V, 4, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 4, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     case 8:
-      return block_bits<V, 8, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 8, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     case 2:
-      return block_bits<V, 2, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 2, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     case 3:
-      return block_bits<V, 3, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 3, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     case 5:
-      return block_bits<V, 5, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 5, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     default:
-      return block_bits<V, 6, SMALL_NB, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 6, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
   }
 }
 

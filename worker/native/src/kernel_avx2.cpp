@@ -24,6 +24,17 @@ struct V {
   struct vec {
     __m256 lo, hi;
   };
+  static constexpr int PARTS = 2;
+  using part = __m256;
+  // In a register: the compiler would fold the load into each FMA that
+  // uses it (one load per weight row), and the loads bound the loop.
+  static part load_part(const float* p) {
+    part v = _mm256_loadu_ps(p);
+    asm("" : "+x"(v));
+    return v;
+  }
+  static part fma_part(part a, part b, part c) { return _mm256_fmadd_ps(a, b, c); }
+  static part& part_of(vec& v, int h) { return h ? v.hi : v.lo; }
   static vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static vec set1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
   static vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -59,7 +70,7 @@ struct V {
 }  // namespace avx2
 
 AttendFn attend_avx2() { return &avx2::attend_group; }
-BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, DIRECT_AVX2, DIRECT_AVX2>; }
+BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options

@@ -14,6 +14,7 @@ namespace kvmux_native {
 namespace avx512 {
 
 struct V {
+  static constexpr int PARTS = 1;  // one register a vector
   static float half(uint16_t h) { return _cvtsh_ss(h); }
   static void halves16(const uint16_t* p, float* out) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));

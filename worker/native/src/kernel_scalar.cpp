@@ -12,6 +12,7 @@ namespace kvmux_native {
 namespace scalar {
 
 struct V {
+  static constexpr int PARTS = 1;  // one register a vector
   static constexpr bool TABLE4 = false;
   static float half(uint16_t h) { return kvmux_native::half_to_float(h); }
   static void halves16(const uint16_t* p, float* out) {
