@@ -153,14 +153,13 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
         table[j] = table_of<V, BITS>(s[j], b[j]);
       }
       for (int k = g * group; k < (g + 1) * group; k += 32) {
+        // The rows AHEAD blocks on, a cache line at a time: the
+        // prefetchers follow a row's stream, not the jump to the next rows.
+        if ((k * BITS / 8) % 64 == 0)
+          for (int j = 0; j < NB; ++j) __builtin_prefetch(rows[j] + AHEAD * NB * row_bytes + k * BITS / 8);
         typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-          // The rows AHEAD blocks on, a cache line at a time: the
-          // prefetchers follow a row's stream, not the jump to the next rows.
-          if ((k * BITS / 8) % 64 == 0) __builtin_prefetch(rows[j] + AHEAD * NB * row_bytes + k * BITS / 8);
-          weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
-        }
+        for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
 #pragma GCC unroll 8
         for (int i = 0; i < MB; ++i) {
           const auto xlo = V::load(p.x + size_t(m0 + i) * K + k);
@@ -264,17 +263,21 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
 // rows by MB rows of x: the same products and sums either way.
 template <class V, int BITS, kvmux_native::ScaleType ST, int DIRECT, int NB, int MB>
 void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
+  // Weight rows in flight: where a vector is two registers (AVX2's 16),
+  // one: with two the compiler spilled sums to the stack, a store and a
+  // load in each sum's chain (a decode step's products ~30 % slower).
+  constexpr int IN_FLIGHT = V::PARTS > 1 ? 1 : DIRECT;
   switch (m1 - m0) {
     case 1:
-      return direct<V, BITS, ST, DIRECT, 1>(p, n0, n1, m0);
+      return direct<V, BITS, ST, IN_FLIGHT, 1>(p, n0, n1, m0);
     case 2:
-      if constexpr (DIRECT >= 2) return direct<V, BITS, ST, DIRECT, 2>(p, n0, n1, m0);
+      if constexpr (DIRECT >= 2) return direct<V, BITS, ST, IN_FLIGHT, 2>(p, n0, n1, m0);
       break;
     case 3:
-      if constexpr (DIRECT >= 3) return direct<V, BITS, ST, DIRECT, 3>(p, n0, n1, m0);
+      if constexpr (DIRECT >= 3) return direct<V, BITS, ST, IN_FLIGHT, 3>(p, n0, n1, m0);
       break;
     case 4:
-      if constexpr (DIRECT >= 4) return direct<V, BITS, ST, DIRECT, 4>(p, n0, n1, m0);
+      if constexpr (DIRECT >= 4) return direct<V, BITS, ST, IN_FLIGHT, 4>(p, n0, n1, m0);
       break;
   }
   scratch_block<V, BITS, ST, NB, MB>(p, n0, n1, m0, m1, scratch);
