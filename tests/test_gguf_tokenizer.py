@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 TEXT = "Hello world, naïve café: 12345!"
 
 # As the worker does (worker/cli.py): torch hidden before transformers is imported.
@@ -42,12 +40,11 @@ def test_the_shared_stacks_worker_has_no_torch(shared_stack):
     assert "libtorch" not in maps and "/torch/" not in maps
 
 
-def test_a_cold_cache_is_filled_by_a_child_and_the_tokenizer_is_transformers_own(model_path, tmp_path):
+def test_a_cold_cache_is_filled_by_a_child_and_the_tokenizer_is_transformers_own(model_path, hf_tokenizer, tmp_path):
     """With torch hidden and no cache, the rebuild runs in a child with torch,
     the cache holds it, and the tokenizer equals transformers' own read of
     the file (tokens and chat template); a second load reads that cache."""
-    reference = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name, local_files_only=True)
-    expected = {"ids": reference.encode(TEXT), "template": reference.chat_template, "torch": False}
+    expected = {"ids": hf_tokenizer.encode(TEXT), "template": hf_tokenizer.chat_template, "torch": False}
     assert hidden_load(model_path, tmp_path) == expected
     (cached,) = (tmp_path / "kvmux" / "tokenizers").iterdir()
     assert cached.name.startswith(model_path.stem) and (cached / "tokenizer.json").is_file()
