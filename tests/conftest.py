@@ -442,6 +442,37 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def transformers_model(request):
+    """`load(gguf_path)`: transformers' own model of a GGUF file (float32),
+    the reference the parity tests hold the worker to. transformers reads a
+    GGUF's quantized tensors in Python (~50 s for Gemma 3 270M, ~15 s for
+    SmolLM2), so what it read (its config and weights: a GGUF-loaded model
+    refuses save_pretrained) is kept in pytest's cache, keyed by the file
+    and transformers' version, and loaded from there on later runs (~2 s;
+    the same logits, bit for bit)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def load(path: Path):
+        stat = path.stat()
+        key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
+        kept = request.config.cache.mkdir("transformers-models") / key
+        if not (kept / "weights.pt").is_file():
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            staging = Path(tempfile.mkdtemp(dir=kept.parent))
+            model.config.to_json_file(staging / "config.json")
+            torch.save(model.state_dict(), staging / "weights.pt")
+            shutil.rmtree(kept, ignore_errors=True)
+            staging.rename(kept)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(kept)), dtype=torch.float32)
+        model.load_state_dict(torch.load(kept / "weights.pt", weights_only=True))
+        return model.eval()
+
+    return load
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(model_path):
     """transformers' tokenizer built from the GGUF, as the worker builds it."""
     from transformers import AutoTokenizer

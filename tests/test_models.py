@@ -72,17 +72,13 @@ def served(frontend: str, turns: list[list[int]], new_tokens: int) -> tuple[list
 
 
 @pytest.mark.stack
-def test_greedy_tokens_equal_transformers(gemma, gemma_path, gemma_stack):
+def test_greedy_tokens_equal_transformers(gemma, gemma_path, gemma_stack, transformers_model):
     """The worker's greedy tokens are transformers' own model's greedy
     choices, each after the prompt and the tokens before it (one forward
     pass over them all: the choices generate() would make, without its
     token-by-token cost on a 262k-token head)."""
     torch = pytest.importorskip("torch", reason="transformers' GGUF loading needs torch (make test installs it)")
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32
-    ).eval()
+    reference = transformers_model(gemma_path)
     for prompt in PROMPTS:
         ids = gemma.tokenizer.encode(prompt)  # with <bos>
         [got], _ = served(gemma_stack.frontend, [ids], NEW_TOKENS)

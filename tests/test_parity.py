@@ -18,12 +18,8 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, hf_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32)
-    model.eval()
-    return hf_tokenizer, model
+def reference(model_path, hf_tokenizer, transformers_model):
+    return hf_tokenizer, transformers_model(model_path)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
