@@ -258,7 +258,7 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
 }
 
 // Rows m0..m1 of x by rows n0..n1 of W: up to DIRECT rows of x straight
-// from the codes (DIRECT weight rows in flight), more through the scratch
+// from the codes (IN_FLIGHT weight rows at a time), more through the scratch
 // (the weights dequantized once for all of them) in tiles of NB weight
 // rows by MB rows of x: the same products and sums either way.
 template <class V, int BITS, kvmux_native::ScaleType ST, int DIRECT, int NB, int MB>

@@ -98,7 +98,8 @@ BlockFn block_avx512();
 
 // Rows of x each kernel computes straight from the codes (more go through
 // a scratch of dequantized rows): its registers hold that many rows'
-// accumulators for 4 (AVX-512), 2 (AVX2) or 1 (scalar) weight rows.
+// accumulators for 4 weight rows at a time on AVX-512, 1 on AVX2 and
+// scalar (block.h's IN_FLIGHT).
 constexpr int DIRECT_AVX512 = 4, DIRECT_AVX2 = 2, DIRECT_SCALAR = 1;
 
 // Whether the CPU runs the kernel of `isa`.
