@@ -41,20 +41,20 @@ def load(path: Path):
 
     stat = path.stat()
     cached = paths.cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-    if not cached.is_dir():
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            into = cached
-        except OSError as exc:  # a read-only home: rebuilt beside us, read, removed
-            log.debug("tokenizer_cache_skipped", reason=str(exc))
-            into = Path(tempfile.mkdtemp(prefix="kvmux-tokenizer-")) / "tokenizer"
-        _rebuild(path, into)
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        into = cached
+    except OSError as exc:  # a read-only home: rebuilt beside us, read, removed
+        log.debug("tokenizer_cache_skipped", reason=str(exc))
+        into = Path(tempfile.mkdtemp(prefix="kvmux-tokenizer-")) / "tokenizer"
+    _rebuild(path, into)
+    try:
+        return AutoTokenizer.from_pretrained(str(into), local_files_only=True)
+    finally:
         if into is not cached:
-            try:
-                return AutoTokenizer.from_pretrained(str(into), local_files_only=True)
-            finally:
-                shutil.rmtree(into.parent, ignore_errors=True)
-    return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            shutil.rmtree(into.parent, ignore_errors=True)
 
 
 def _rebuild(path: Path, into: Path) -> None:
