@@ -157,6 +157,7 @@ class Broker:
         self._drain_request: float | None = None  # set from a signal handler
         self._own_ids = itertools.count(1)
         self._next_heartbeat = self._next_sweep = 0.0
+        self._last_tick = time.monotonic()
         self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
         self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
         self.metrics = Metrics()  # counted always; served with --metrics-port
@@ -285,6 +286,21 @@ class Broker:
             except Exception:  # one bad frame must never stop the loop
                 log.exception("frame_handling_failed", parts=len(frames))
 
+    def _discount_own_stall(self, now: float) -> None:
+        """Time the broker spent away from its sockets (an fsync behind a
+        disk's writeback, a paused VM) is not a worker's silence: its
+        heartbeats waited in the socket meanwhile, unread. Beyond a
+        heartbeat interval between two ticks, the excess is credited to
+        every worker's last frame; a worker dead meanwhile is found a
+        deadline of listening later."""
+        away = now - self._last_tick - self.cfg.heartbeat_s
+        self._last_tick = now
+        if away <= 0:
+            return
+        log.warning("broker_stalled", seconds=round(away + self.cfg.heartbeat_s, 1))
+        for worker in self.registry.workers.values():
+            worker.last_seen = min(now, worker.last_seen + away)
+
     def _tick(self, now: float) -> bool:
         """Timers: heartbeats, liveness, queue deadlines, expiry, admission
         from the queue, hibernation, drain. True when the broker is done."""
@@ -292,6 +308,7 @@ class Broker:
             self._next_heartbeat = now + self.cfg.heartbeat_s
             for worker in list(self.registry.workers.values()):
                 self.to_worker(worker, b"", envelope(Op.HEARTBEAT), _EMPTY_MAP)
+        self._discount_own_stall(now)
         deadline = self.cfg.heartbeat_s * self.cfg.heartbeat_liveness
         for worker in list(self.registry.workers.values()):
             if now - worker.last_seen > deadline:
