@@ -442,31 +442,19 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def transformers_model(request):
+def transformers_model(tmp_path_factory):
     """`load(gguf_path)`: transformers' own model of a GGUF file (float32),
-    the reference the parity tests hold the worker to. transformers reads a
-    GGUF's quantized tensors in Python (~50 s for Gemma 3 270M, ~15 s for
-    SmolLM2), so what it read (its config and weights: a GGUF-loaded model
-    refuses save_pretrained) is kept in pytest's cache, keyed by the file
-    and transformers' version, and loaded from there on later runs (~2 s;
-    the same logits, bit for bit)."""
+    the reference the parity tests hold the worker to, read from a copy
+    without the tokenizer's arrays (tests/gguf_model_only.py: Gemma 3 270M
+    ~9 s, not ~60; the same weights and config)."""
+    import gguf_model_only
     import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     def load(path: Path):
-        stat = path.stat()
-        key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
-        kept = request.config.cache.mkdir("transformers-models") / key
-        if not (kept / "weights.pt").is_file():
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-            staging = Path(tempfile.mkdtemp(dir=kept.parent))
-            model.config.to_json_file(staging / "config.json")
-            torch.save(model.state_dict(), staging / "weights.pt")
-            shutil.rmtree(kept, ignore_errors=True)
-            staging.rename(kept)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(kept)), dtype=torch.float32)
-        model.load_state_dict(torch.load(kept / "weights.pt", weights_only=True))
+        copy = gguf_model_only.write(path, tmp_path_factory.mktemp("model-only") / path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(copy.parent), gguf_file=copy.name, dtype=torch.float32)
+        copy.unlink()
         return model.eval()
 
     return load
