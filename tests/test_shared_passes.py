@@ -68,16 +68,17 @@ def test_eight_sessions_past_their_windows_batched_give_what_they_give_alone(
     stack_factory, hf_tokenizer, near_tie, kernels
 ):
     """The default mode, on either kernel family: 8 sessions decode 160
-    tokens together as alone, bit for bit: kvmux's CPU kernel sums each
-    row in a fixed order, so nothing needs padding (test_native.py has the
-    fallback's near ties), and the worker says so."""
+    tokens together as alone (96 on the forced AVX2 kernels, slower here),
+    bit for bit: kvmux's CPU kernel sums each row in a fixed order, so
+    nothing needs padding (test_native.py has the fallback's near ties),
+    and the worker says so."""
     stack = stack_factory(workers=1, slabs=8, env=KERNELS[kernels])
     compute = stack.stats().workers[0].compute
     assert compute.mode == "default" and compute.blas.startswith("OpenBLAS")
     assert compute.exact and not compute.floors and not compute.rows_alone and compute.pad_cost == 1.0
     if kernels == "haswell":
         assert compute.blas == "OpenBLAS Haswell" and compute.kernel.startswith("kvmux_native avx2")
-    together_and_alone(stack, hf_tokenizer, near_tie, 8, 160)
+    together_and_alone(stack, hf_tokenizer, near_tie, 8, 160 if kernels == "native" else 96)
 
 
 @pytest.mark.stack
@@ -93,7 +94,7 @@ def test_batch_invariant_mode_is_bit_identical_on_either_kernel_family(stack_fac
 
 @pytest.mark.stack
 def test_a_session_keeps_streaming_while_another_appends_a_long_history(stack_factory, hf_tokenizer):
-    """A 1,000-token append shares passes with a running stream: the stream
+    """A 500-token append shares passes with a running stream: the stream
     gets tokens all through the append, one per pass, and the passes carry a
     few prefill tokens each (worker/pace.py keeps such a pass within ~2x a
     decode-only one), not a 128-token chunk; it keeps going after. On a
@@ -101,7 +102,7 @@ def test_a_session_keeps_streaming_while_another_appends_a_long_history(stack_fa
     shared worker's earlier rounds could hold the share at one token)."""
     stack = stack_factory(workers=1, slabs=2)
     counting = hf_tokenizer.encode(", ".join(str(i) for i in range(1, 40)) + ",")  # the model counts on, no EOS
-    long_text = " ".join(f"Item {i} is a small grey stone from the river bank." for i in range(85))
+    long_text = " ".join(f"Item {i} is a small grey stone from the river bank." for i in range(43))
     arrivals: list[float] = []
     result = {}
     with (
@@ -127,7 +128,7 @@ def test_a_session_keeps_streaming_while_another_appends_a_long_history(stack_fa
         stream.close()
         worker.join()
     appended = result["reply"].new_tokens
-    assert appended >= 1000
+    assert appended >= 500
     assert arrivals[-1] > result["ended"]  # the stream outlived the append
     started, ended = result["started"], result["ended"]
     during = [t for t in arrivals if started < t < ended]
