@@ -59,8 +59,10 @@ def test_a_stalled_broker_loses_no_worker(stack_factory):
         stream = session.chat("Count from one to twenty.", max_tokens=24, temperature=0.0)
         tokens = list(next(stream).token_ids)  # generating now
         os.kill(stack.broker.pid, signal.SIGSTOP)
-        time.sleep(1.9)
-        os.kill(stack.broker.pid, signal.SIGCONT)
+        try:
+            time.sleep(1.9)
+        finally:
+            os.kill(stack.broker.pid, signal.SIGCONT)
         tokens += [t for chunk in stream for t in chunk.token_ids]  # no WorkerLost
         assert len(tokens) == stream.result.completion_tokens > 1
         info = session.info()
