@@ -157,7 +157,7 @@ class Broker:
         self._drain_request: float | None = None  # set from a signal handler
         self._own_ids = itertools.count(1)
         self._next_heartbeat = self._next_sweep = 0.0
-        self._last_tick = time.monotonic()
+        self._last_tick = 0.0  # when the loop last ran its timers (run() starts it)
         self.frontend_endpoint = self.backend_endpoint = self.admin_endpoint = ""
         self.endpoints: list[Endpoint] = []  # each with who can reach it, for stats and `kvmux doctor`
         self.metrics = Metrics()  # counted always; served with --metrics-port
@@ -253,6 +253,7 @@ class Broker:
         poller = zmq.Poller()
         for sock in (self.frontend, self.backend, self.admin):
             poller.register(sock, zmq.POLLIN)
+        self._last_tick = time.monotonic()  # a slow start (a large store loaded) is no stall
         while True:
             events = dict(poller.poll(_POLL_BACKLOG_MS if self.outbox.backlog else _POLL_MS))
             if not events:
