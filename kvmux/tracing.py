@@ -92,6 +92,15 @@ def enabled() -> bool:
     return _Process.tracer is not None
 
 
+def shutdown() -> None:
+    """Export the spans still batched: what the SDK's own exit hook does,
+    for a process that leaves by os._exit (a worker: worker/cli.py)."""
+    if _Process.tracer is not None:
+        from opentelemetry import trace
+
+        trace.get_tracer_provider().shutdown()
+
+
 def current() -> str | None:
     """The traceparent of this process's current span, if it has one: for a
     request body. Only where OpenTelemetry is imported already (this

@@ -218,8 +218,10 @@ def test_idle_unload_frees_memory_and_a_later_call_reloads_and_resumes(tmp_path,
             session.close()
         loaded = [e["seconds"] for e in daemon.events("model_ready")]
         freed = [e["freed_bytes"] for e in daemon.events("model_unloaded")]
+        exits = [e["returncode"] for e in daemon.events("local_worker_unloaded")]
         print(f"rss before unload {before} bytes, freed {freed}; loads took {loaded} s")
-        assert before > 100 << 20 and freed and len(loaded) >= 3  # two at start, Gemma again
+        assert before > 100 << 20 and freed and len(loaded) >= 3, daemon.logs(20000)  # two at start, Gemma again
+        assert exits == [0], daemon.logs()  # drained, out cleanly: no abort in MLX's teardown
 
 
 def test_a_budget_for_one_model_alternates_under_two_clients(tmp_path, gemma_path):

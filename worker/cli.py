@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import typer
+import zmq
 
 from kvmux import logs, settings, tracing
 from kvmux.worker import gguf_tokenizer
@@ -45,15 +46,18 @@ def worker(**options: Any) -> None:
         code = worker_group.follower(config, group)
     else:
         code = Worker(config, group).run()
-    if code:
-        # Refused (2) or failed (1) at load, with torch and MLX just loaded:
-        # their C++ teardown at exit then aborts now and then (SIGABRT, not
-        # the exit code the supervisor reads: kvmux serve restarts a 1 and
-        # gives up on a 2). Nothing is left to flush but the logs.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    raise typer.Exit(code)
+    # Out by os._exit, past the interpreter's teardown, whatever the code:
+    # MLX's thread-locals of the compute thread are destroyed after its
+    # join() returns, and one that takes the GIL while the interpreter
+    # finalizes aborts the process ("terminate called without an active
+    # exception", SIGABRT where a drain exited 0 and a supervisor reads a
+    # crash). What teardown would flush is flushed here: the spans, the
+    # DISCONNECT still queued for the broker (its socket lingers 1 s), the logs.
+    tracing.shutdown()
+    zmq.Context.instance().destroy(linger=1000)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def register(app: typer.Typer) -> None:
