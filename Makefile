@@ -54,11 +54,14 @@ $(VENV)/.test-setup: $(VENV)/.setup $(VENV)/.native
 	@touch $@
 
 # llama.cpp's server for `kvmux bench peers`, built from llama-cpp-python's
-# source distribution (cmake and g++: ~7 minutes on 2 cores); the bench's
-# alone, never the daemon's.
-$(VENV)/.peers-setup: $(VENV)/.test-setup
+# source distribution (cmake and g++: ~7 minutes on 2 cores), and the same
+# llama.cpp built for AVX2 alone, the peer of the benches' haswell family
+# (scripts/llama-cpp-avx2: ~4 minutes more); the benches' alone, never the
+# daemon's.
+$(VENV)/.peers-setup: $(VENV)/.test-setup scripts/llama-cpp-avx2
 	@scripts/system-deps --build
 	@$(PIP) install -e '.[worker,bench,http,test,peers]'
+	@scripts/llama-cpp-avx2 $(BIN)/python $(VENV)/llama-cpp-avx2
 	@touch $@
 
 bench-peers: $(VENV)/.peers-setup
@@ -75,9 +78,15 @@ serve: setup
 lint: $(VENV)/.test-setup
 	@$(BIN)/ruff format --check --quiet . && $(BIN)/ruff check --quiet .
 
-# OpenBLAS preloaded for the tests that run the model in pytest's own process (the workers preload it themselves)
+# OpenBLAS preloaded for the tests that run the model in pytest's own process
+# (the workers preload it themselves). Two pytest workers (pytest-xdist), a
+# module's tests on one of them (its module fixtures made once): half a
+# test's time is waiting on sockets and processes, so two at once fill the
+# 2 cores (the whole suite: 20:04 one at a time, 12:51 two; 2026-11-27).
+# PYTEST_WORKERS=0 runs them in pytest's own process, one at a time.
+PYTEST_WORKERS ?= 2
 PYTEST = LD_PRELOAD="$$($(BIN)/python -c 'from kvmux.worker.preload import openblas_path; print(openblas_path() or "")')" \
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint $(VENV)/.test-setup $(TS)/node_modules/.setup
 	@$(PYTEST); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

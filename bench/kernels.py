@@ -6,7 +6,10 @@ inherit the family), and one report holds a column per family.
 - native: the CPU's own kernels (AVX-512 ones where the CPU has them);
 - haswell: AVX2 kernels, forced: OpenBLAS's (OPENBLAS_CORETYPE) and
   kvmux's CPU kernel's (KVMUX_CPU_KERNEL, `--cpu-kernel`): what a CPU
-  without AVX-512 runs (docs/design.md, "Batch invariance").
+  without AVX-512 runs (docs/design.md, "Batch invariance"); and the peer
+  llama.cpp's, where `make .venv/.peers-setup` built it for AVX2 alone
+  (scripts/llama-cpp-avx2; llama-cpp-python's own build is for this CPU).
+  Each report says which instruction sets its llama.cpp ran.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import typer
 from .report import ReportWriter, load
 
 FAMILIES = {"native": {}, "haswell": {"OPENBLAS_CORETYPE": "Haswell", "KVMUX_CPU_KERNEL": "avx2"}}
+LLAMA_CPP_AVX2 = Path(sys.prefix) / "llama-cpp-avx2"  # the haswell family's llama.cpp, where built
 CHILD = "KVMUX_BENCH_KERNELS"  # set in a child run: the family it measures
 
 
@@ -45,9 +49,11 @@ def run_each(bench: str, families: list[str], output: Path, config: dict) -> dic
     writer.doc["families"] = {}
     for family in families:
         env = {**os.environ, CHILD: family}
-        for name in ("OPENBLAS_CORETYPE", "KVMUX_CPU_KERNEL"):
+        for name in ("OPENBLAS_CORETYPE", "KVMUX_CPU_KERNEL", "LLAMA_CPP_LIB_PATH"):
             env.pop(name, None)
         env.update(FAMILIES[family])
+        if family == "haswell" and LLAMA_CPP_AVX2.is_dir():
+            env["LLAMA_CPP_LIB_PATH"] = str(LLAMA_CPP_AVX2)
         part = output.with_name(f"{output.stem}-{family}{output.suffix}")
         typer.echo(f"{bench}: kernels {family}", err=True)
         done = subprocess.run(
