@@ -12,27 +12,35 @@ side in one run:
   physical limit's yardstick);
 - vs_llama_cpp: one session's greedy decode through the daemon against
   llama.cpp (llama-cpp-python on the same GGUF, the same thread count, a
-  child process per run), interleaved pairs, the same prompt tokens;
+  child process per run), interleaved pairs, the same prompt tokens; the
+  instruction sets that llama.cpp ran (`llama_cpp_system_info`: the
+  haswell family's is built for AVX2 alone, bench/kernels.py);
 - vs_float32: the same decode, and a 1,000-token message's prefill, on a
   daemon with `--cpu-kernel off` (float32 copies of the weights: what a
   worker did before, and does where the kernel is not built),
   interleaved with the kernel's daemon;
+- vs_glibc_malloc: the same decode on a daemon whose worker runs without
+  jemalloc (KVMUX_NO_JEMALLOC=1: glibc's allocator; worker/preload.py),
+  where jemalloc is installed;
 - memory: each daemon's worker's resident set after its runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from kvmux.client import Client
+from kvmux.worker.preload import jemalloc_path
 
 from . import spawn
 from .peers import rss_kb
@@ -122,7 +130,7 @@ def llama_cpp_decode(gguf: str, prompt_ids: list[int], tokens: int, threads: int
 
 def llama_cpp_child() -> None:
     """The child's side: load, prefill, decode greedily, print the timings."""
-    from llama_cpp import Llama
+    from llama_cpp import Llama, llama_print_system_info
 
     args = json.loads(sys.argv[1])
     llm = Llama(
@@ -144,6 +152,7 @@ def llama_cpp_child() -> None:
             {
                 "engine": "llama.cpp (llama-cpp-python)",
                 "threads": args["threads"],
+                "system_info": llama_print_system_info().decode().strip(),  # the instruction sets it runs
                 "first_token_s": stamps[0] - start,
                 "decode_tokens_per_s": (len(ids) - 1) / (stamps[-1] - stamps[0]),
                 "rss_kb": rss_kb(os.getpid()),
@@ -178,16 +187,22 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         spawn.daemon(workers=1, slabs=2, model=model_path, serve_args=("--cpu-kernel", "off")) as off_daemon,
         Client(kernel_daemon.frontend, timeout=600) as kernel,
         Client(off_daemon.frontend, timeout=600) as off,
+        _glibc_malloc_client(model_path) as glibc_malloc,
     ):
         workers = {"kernel": kernel.stats().workers[0], "float32": off.stats().workers[0]}
+        if glibc_malloc is not None:
+            workers["glibc_malloc"] = glibc_malloc.stats().workers[0]
         doc["compute"] = {name: w.compute.kernel for name, w in workers.items()}
-        vs_llama, vs_off, prefill = [], [], []
+        vs_llama, vs_off, vs_glibc, prefill = [], [], [], []
         last: dict = {}
         for _ in range(repeats):
             if llama:
                 last["llama_cpp"] = llama_cpp_decode(model_path, story_ids, tokens, threads)
             last["kvmux"] = decode(kernel)
             last["float32"] = decode(off)
+            if glibc_malloc is not None:
+                last["glibc_malloc"] = decode(glibc_malloc)
+                vs_glibc.append((last["glibc_malloc"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
             if llama:
                 vs_llama.append((last["llama_cpp"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
             vs_off.append((last["float32"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
@@ -196,13 +211,29 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         progress.close()
         doc["vs_llama_cpp_decode"] = ratio_summary(vs_llama) if llama else None
         doc["vs_float32_decode"] = ratio_summary(vs_off)
+        doc["vs_glibc_malloc_decode"] = ratio_summary(vs_glibc) if vs_glibc else None
         doc["vs_float32_prefill_1000"] = ratio_summary(prefill)
         doc["same_tokens_as_float32"] = last["kvmux"]["token_ids"] == last["float32"]["token_ids"]
         if llama:
             doc["same_tokens_as_llama_cpp"] = last["kvmux"]["token_ids"] == last["llama_cpp"]["token_ids"]
             doc["llama_cpp_rss_mb"] = round(last["llama_cpp"]["rss_kb"] / 1024, 1)
+            doc["llama_cpp_system_info"] = last["llama_cpp"]["system_info"]
         doc["worker_rss_mb"] = {name: round(rss_kb(w.pid) / 1024, 1) for name, w in workers.items()}
     return doc
+
+
+@contextlib.contextmanager
+def _glibc_malloc_client(model_path: str) -> Iterator[Client | None]:
+    """A client of a daemon whose worker runs on glibc's allocator; None
+    where jemalloc is not installed (the kernel's daemon runs so already)."""
+    if jemalloc_path() is None:
+        yield None
+        return
+    with (
+        spawn.daemon(workers=1, slabs=2, model=model_path, env={"KVMUX_NO_JEMALLOC": "1"}) as daemon,
+        Client(daemon.frontend, timeout=600) as client,
+    ):
+        yield client
 
 
 def ratios(doc: dict) -> dict:
@@ -214,6 +245,8 @@ def ratios(doc: dict) -> dict:
     }
     if doc["vs_llama_cpp_decode"]:
         out["cpu_decode_vs_llama_cpp"] = doc["vs_llama_cpp_decode"]["median"]
+    if doc.get("vs_glibc_malloc_decode"):
+        out["cpu_decode_vs_glibc_malloc"] = doc["vs_glibc_malloc_decode"]["median"]
     if "vs_copy_bandwidth" in doc["kernel"]:
         out["cpu_kernel_gb_per_s_vs_copy"] = doc["kernel"]["vs_copy_bandwidth"]
     return out

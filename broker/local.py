@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvmux import logs, settings
 from kvmux.children import die_with_parent
-from kvmux.worker.preload import CPU_THREADS_ENV, openblas_path
+from kvmux.worker.preload import CPU_THREADS_ENV, with_preloads
 
 from .auth import Auth
 from .config import BrokerConfig
@@ -103,16 +103,15 @@ class LocalWorkers:
 
     def env(self) -> dict[str, str]:
         """Each worker's BLAS and CPU kernel get its share of the cores: N pools of one
-        thread per core would oversubscribe the machine N times. OpenBLAS is
-        preloaded here so the worker need not re-execute itself to get it."""
+        thread per core would oversubscribe the machine N times. OpenBLAS and
+        jemalloc are preloaded here (worker/preload.py) so the worker need not
+        re-execute itself to get them."""
         env = dict(os.environ)
         processes = max(1, sum(s.model.spec.pipeline or self.cfg.pipeline for s in self.slots))
         share = str(max(1, (os.cpu_count() or 1) // processes))
         env.setdefault("OPENBLAS_NUM_THREADS", share)
         env.setdefault(CPU_THREADS_ENV, share)
-        lib = openblas_path()
-        if lib and not env.get("KVMUX_NO_OPENBLAS") and lib not in env.get("LD_PRELOAD", ""):
-            env["LD_PRELOAD"] = " ".join(filter(None, [lib, env.get("LD_PRELOAD")]))
+        env = with_preloads(env)
         if self.auth is not None and self.backend.startswith("tcp://"):
             env.update(self.auth.worker_env())
         return env

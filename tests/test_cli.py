@@ -9,17 +9,19 @@ import sys
 import pytest
 from conftest import kvmux_command
 
+from kvmux.worker.preload import jemalloc_path
+
 
 def run(*args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(kvmux_command(*args), input=input, capture_output=True, text=True, timeout=timeout)
 
 
-def test_doctor_sees_the_daemon_and_the_openblas_preload(shared_stack):
+def test_doctor_sees_the_daemon_and_the_worker_preloads(shared_stack):
     out = run("doctor", "--endpoint", shared_stack.frontend)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "embedded model" in out.stdout and "1 workers" in out.stdout
-    if sys.platform.startswith("linux"):
-        assert "OpenBLAS preloaded" in out.stdout
+    if sys.platform.startswith("linux"):  # the worker re-executed itself with them
+        assert "OpenBLAS preloaded" + (", jemalloc" if jemalloc_path() else "") in out.stdout, out.stdout
 
 
 def test_doctor_fails_without_a_daemon(tmp_path):
