@@ -41,10 +41,14 @@ def stacks():
 
 
 def node_test(package: Path, files: list[str], endpoint: str, **env: str) -> subprocess.Popen:
+    # Without pytest's LD_PRELOAD (the Makefile's OpenBLAS, for the model in
+    # pytest's own process): no business of node's, whose run under it once
+    # printed "pthread_create: Invalid argument".
+    inherited = {name: value for name, value in os.environ.items() if name != "LD_PRELOAD"}
     return subprocess.Popen(
         ["node", "--test", "--test-concurrency=1", "--test-reporter=spec", *files],
         cwd=package,
-        env={**os.environ, "KVMUX_ENDPOINT": endpoint, **env},
+        env={**inherited, "KVMUX_ENDPOINT": endpoint, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -267,7 +267,10 @@ export class Client {
     } catch (err) {
       this.calls.delete(requestId);
       const hint = this.silence();
-      throw new Timeout(`could not send ${op}: ${String(err)}${hint ? `: ${hint}` : ""}`, { requestId, sessionId });
+      throw new Timeout(`could not send ${op} to ${this.endpoint}: ${String(err)}${hint ? `: ${hint}` : ""}`, {
+        requestId,
+        sessionId,
+      });
     }
     return [requestId, queue];
   }
