@@ -50,7 +50,11 @@ def test_break_and_task_cancellation_cancel_the_generation(shared_stack):
             got = asyncio.Event()
 
             async def consume():
-                async for _ in session.chat("Another long poem, please.", max_tokens=64, speculative="off"):
+                # One chunk of credit: the worker sends the next only after this
+                # task has read one, so the task waits on the stream when the
+                # cancel lands. With more, a test process starved of the CPU
+                # found the whole reply queued and finished before the cancel.
+                async for _ in session.chat("Another long poem, please.", max_tokens=64, speculative="off", credit=1):
                     got.set()
 
             task = asyncio.create_task(consume())
