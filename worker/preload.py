@@ -27,13 +27,11 @@ from pathlib import Path
 # local worker process its share of the cores, as it does OpenBLAS's.
 CPU_THREADS_ENV = "KVMUX_CPU_THREADS"
 
-CANDIDATES = (
+OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
-
-
 JEMALLOC_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
     "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
@@ -41,16 +39,18 @@ JEMALLOC_CANDIDATES = (
 )
 
 
-def openblas_path() -> str | None:
+def _installed(candidates: tuple[str, ...]) -> str | None:
     if not sys.platform.startswith("linux"):
         return None
-    return next((c for c in CANDIDATES if Path(c).exists()), None)
+    return next((c for c in candidates if Path(c).exists()), None)
+
+
+def openblas_path() -> str | None:
+    return _installed(OPENBLAS_CANDIDATES)
 
 
 def jemalloc_path() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    return next((c for c in JEMALLOC_CANDIDATES if Path(c).exists()), None)
+    return _installed(JEMALLOC_CANDIDATES)
 
 
 def worker_preloads(env: Mapping[str, str] = os.environ) -> list[str]:
