@@ -117,6 +117,21 @@ def test_fused_norm_and_rope_equal_mx_fast():
     assert mx.array_equal(one, native.rope(x, offsets, 64, True, 10000.0, 1.0)[2:3]).item()
 
 
+def _attend(q, keys, values, length, mask=None):
+    """native.attend_rows for one session whose keys are already in its
+    slab (no writes): its rows over slots [0, length)."""
+    out, _, _ = native.attend_rows(
+        q,
+        keys[..., : q.shape[0], :],
+        values[..., : q.shape[0], :],
+        [keys, values],
+        [[]],
+        [[0, q.shape[0], length, -1 if mask is None else 0]],
+        [] if mask is None else [mask],
+    )
+    return out
+
+
 def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
     """Decode rows over a slab (grouped-query: 9 heads on 3 KV heads), with
     and without a mask: MLX's own products and precise softmax to float32
@@ -127,30 +142,63 @@ def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
     mask = np.zeros((rows, length), np.float32)
     mask[:, 200:], mask[1, :3] = -np.inf, -np.inf
     for m in (None, mx.array(mask)):
-        got = native.attend(q, keys, values, length, m)
+        got = _attend(q, keys, values, length, m)
         scores = q.reshape(rows, kv, heads // kv, d) @ keys[..., :length, :].swapaxes(-1, -2)
         if m is not None:
             scores = scores + m.reshape(rows, 1, 1, length)
         want = (mx.softmax(scores, axis=-1, precise=True) @ values[..., :length, :]).reshape(1, rows, heads * d)
         assert got.shape == (1, rows, heads * d) and mx.abs(got - want).max().item() < 1e-5
         for r in range(rows):
-            alone = native.attend(q[r : r + 1], keys, values, length, None if m is None else m[r : r + 1])
+            alone = _attend(q[r : r + 1], keys, values, length, None if m is None else m[r : r + 1])
             assert mx.array_equal(alone[0, 0], got[0, r]).item()
     outs = []
     try:
         for isa in native.isas():
             native.set_isa(isa)
-            outs.append(native.attend(q, keys, values, length, mx.array(mask)))
+            outs.append(_attend(q, keys, values, length, mx.array(mask)))
     finally:
         native.set_isa(native.isas()[0])
     assert all(mx.array_equal(o, outs[0]).item() for o in outs)
     with pytest.raises(ValueError, match="length"):
-        native.attend(q, keys, values, slots + 1)
+        _attend(q, keys, values, slots + 1)
     # A head size that is no multiple of the kernel's 16 lanes (a tiny draft model's).
     q, keys, values = q[..., :40], keys[..., :40], values[..., :40]
     scores = q.reshape(rows, kv, heads // kv, 40) @ keys[..., :length, :].swapaxes(-1, -2)
     want = (mx.softmax(scores, axis=-1, precise=True) @ values[..., :length, :]).reshape(1, rows, heads * 40)
-    assert mx.abs(native.attend(q, keys, values, length) - want).max().item() < 1e-5
+    assert mx.abs(_attend(q, keys, values, length) - want).max().item() < 1e-5
+
+
+def test_attend_rows_writes_each_session_into_its_slab_then_attends():
+    """Two sessions in one op: each one's new keys and values land in its
+    own slab's slots (a run that wraps to the ring's start included), the
+    slab a caller still holds is left as it was, and each session's rows
+    equal its own op alone."""
+    heads, kv, d = 6, 2, 16
+    q = mx.random.normal((3, heads, 1, d), key=mx.random.key(20))
+    new_k, new_v = (mx.random.normal((1, kv, 3, d), key=mx.random.key(i)) for i in (21, 22))
+    slab_a = [mx.random.normal((1, kv, 8, d), key=mx.random.key(i)) for i in (23, 24)]
+    slab_b = [mx.random.normal((1, kv, 5, d), key=mx.random.key(i)) for i in (25, 26)]
+    mx.eval(q, new_k, new_v, slab_a, slab_b)
+    held = [mx.array(a) for a in slab_a]  # copies to compare with: slab_a itself is still held here
+    # Session a: pass row 0 into slot 7; session b: rows 1-2 into slots 4 and 0 (wrapped).
+    writes = [[7, 0, 1], [4, 1, 1, 0, 2, 1]]
+    reads = [[0, 1, 8, -1], [1, 3, 5, 0]]
+    mask = mx.array(np.array([[0, 0, 0, 0, 0], [0, -np.inf, 0, 0, 0]], np.float32))
+    out, ka, va, kb, vb = native.attend_rows(q, new_k, new_v, [*slab_a, *slab_b], writes, reads, [mask])
+    assert mx.array_equal(slab_a[0], held[0]).item()  # held elsewhere: copied, not written in place
+    assert (
+        mx.array_equal(ka[..., 7, :], new_k[..., 0, :]).item()
+        and mx.array_equal(va[..., :7, :], held[1][..., :7, :]).item()
+    )
+    assert (
+        mx.array_equal(kb[..., 4, :], new_k[..., 1, :]).item()
+        and mx.array_equal(vb[..., 0, :], new_v[..., 2, :]).item()
+    )
+    alone_a = _attend(q[:1], ka, va, 8)
+    alone_b = _attend(q[1:], kb, vb, 5, mask)
+    assert mx.array_equal(out, mx.concatenate([alone_a, alone_b], axis=1)).item()
+    with pytest.raises(ValueError, match="write must fit"):
+        native.attend_rows(q, new_k, new_v, [*slab_a], [[8, 0, 1]], [[0, 1, 8, -1]], [])
 
 
 def _layer(hidden: int, heads: int, kv_heads: int, inner: int):

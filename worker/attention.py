@@ -100,25 +100,12 @@ def row_masks(cache: SlabCache, n: int) -> list[tuple[int, int, int, np.ndarray 
     return runs
 
 
-def _plan_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, runs, native) -> _Pending:
+def _plan_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, runs) -> _Pending:
     """Scores of decode rows on one layer: their keys written first, then
-    each run of rows against the slots it reads (with `native`, the
-    kvmux_native module, each run is one op that attends outright)."""
-    n, n_heads, _, head_dim = queries.shape
+    each run of rows against the slots it reads."""
+    n_heads, head_dim = queries.shape[1], queries.shape[-1]
     kv_heads = keys.shape[1]
     cache.write(keys, values)
-    if native is not None:
-        outs = [
-            native.attend(
-                queries if (first, last) == (0, n) else queries[first:last],
-                cache.keys,
-                cache.values,
-                length,
-                None if mask is None else mx.array(mask),
-            )
-            for first, last, length, mask in runs
-        ]
-        return _Pending([], out=mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0])
     blocks = []
     for first, last, length, mask in runs:
         # (rows, kv heads, group, D) @ (1, kv heads, D, slots): one (group x
@@ -135,6 +122,27 @@ def _plan_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabC
             )
         )
     return _Pending(blocks)
+
+
+def _attend_rows(native, queries: mx.array, keys: mx.array, values: mx.array, segments: list[tuple]) -> mx.array:
+    """Every decode-row segment of a pass (`segments`: (start, n, cache,
+    runs with mx masks)) in one kvmux_native op: their keys and values
+    written into their slabs, their rows attended, in segment order."""
+    slabs, writes, reads, masks = [], [], [], []
+    for start, n, cache, runs in segments:
+        claims = cache.claim(n, keys)
+        slabs += [cache.keys, cache.values]
+        writes.append([x for slot, done, run in claims for x in (slot, start + done, run)])
+        read = []
+        for first, last, length, mask in runs:
+            read += [start + first, start + last, length, -1 if mask is None else len(masks)]
+            if mask is not None:
+                masks.append(mask)
+        reads.append(read)
+    out, *updated = native.attend_rows(queries, keys, values, slabs, writes, reads, masks)
+    for (_, _, cache, _), k, v in zip(segments, updated[::2], updated[1::2], strict=True):
+        cache.keys, cache.values = k, v
+    return out
 
 
 def _plan_chunk(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray) -> _Pending:
@@ -195,15 +203,24 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
     attends over its own slab, which gets its new tokens; `plan` is
     `row_masks(...)` for decode rows, `additive_mask(...)` for a prefill
     chunk. `native`: the kvmux_native module where the model runs on it
-    (worker/cpu_kernel.py): decode rows attend in one op each."""
+    (worker/cpu_kernel.py): every decode-row segment attends in one op
+    (their plans' masks as mx arrays: `native_masks`)."""
     total, n_heads = queries.shape[:2]
-    pending = []
+    rows = [segment for segment in segments if isinstance(segment[3], list)] if native is not None else []
+    natively = _attend_rows(native, queries, keys, values, rows) if rows else None
+    if len(rows) == len(segments):
+        return natively
+    pending, at = [], 0
     for start, n, cache, plan in segments:
+        if natively is not None and isinstance(plan, list):
+            pending.append(_Pending([], out=natively[:, at : at + n]))
+            at += n
+            continue
         part = (queries, keys, values)
         if (start, n) != (0, total):  # a shared pass: this segment's tokens
             part = (queries[start : start + n], keys[..., start : start + n, :], values[..., start : start + n, :])
         if isinstance(plan, list):
-            pending.append(_plan_rows(*part, cache, plan, native))
+            pending.append(_plan_rows(*part, cache, plan))
         else:
             pending.append(_plan_chunk(*part, cache, plan))
     numpy = [b.scores for p in pending for b in p.blocks if b.numpy]
@@ -231,3 +248,9 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
                 head_dim = out.shape[-1]
                 outputs.append(out.reshape(n_heads, block.rows, head_dim).transpose(1, 0, 2).reshape(1, block.rows, -1))
     return mx.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+
+
+def native_masks(runs: list[tuple[int, int, int, np.ndarray | None]]) -> list[tuple[int, int, int, mx.array | None]]:
+    """`row_masks`' runs with their masks as mx arrays, for kvmux_native
+    (made once a pass, not once a layer)."""
+    return [(first, last, length, None if mask is None else mx.array(mask)) for first, last, length, mask in runs]

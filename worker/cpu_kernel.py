@@ -13,8 +13,9 @@ runs each as a graph of 6 and ~20 small ops, and a decode step's time
 there is as much the ops' count as their work).
 
 Decode rows' attention (worker/attention.py) becomes one op per layer too
-for an adopted model (`native_of`), and a llama-style layer's two halves
-around it one op each (`fused`: its norms, seven products, rope, swiglu
+for an adopted model (`native_of`), for every session of a pass and
+their slabs' writes, and a llama-style layer's two halves around it one
+op each (`fused`: its norms, seven products, rope, swiglu
 and residual adds, ~30 ops of MLX's otherwise).
 
 `select` says which kernel runs, or why none does (not built, built for

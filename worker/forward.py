@@ -43,7 +43,7 @@ from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.activations import swiglu
 
 from . import cpu_kernel
-from .attention import additive_mask, attend_all, row_masks
+from .attention import additive_mask, attend_all, native_masks, row_masks
 from .slab import SlabCache
 
 
@@ -188,8 +188,11 @@ def _runs(segments: list[Segment], lengths: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _plan(cache: SlabCache, segment: Segment, n: int):
-    return row_masks(cache, n) if segment.rows or n == 1 else additive_mask(cache, n)
+def _plan(cache: SlabCache, segment: Segment, n: int, native: bool):
+    if segment.rows or n == 1:
+        runs = row_masks(cache, n)
+        return native_masks(runs) if native else runs
+    return additive_mask(cache, n)
 
 
 def forward(model: nn.Module, segments: list[Segment], floors: Floors) -> list[mx.array]:
@@ -234,14 +237,14 @@ def run_layers(model: nn.Module, h: mx.array, segments: list[Segment], lengths: 
     positions = mx.array([offset + i for offset, n in zip(offsets, lengths, strict=True) for i in range(n)])
     # Masks depend on the slab's positions only: made once per kind of
     # layer cache (its sink and window), before any layer writes.
+    native = cpu_kernel.native_of(model)
     plans: list[dict[tuple[int, int], object]] = [{} for _ in segments]
     for s, n, kinds in zip(segments, lengths, plans, strict=True):
         for cache in s.slab[: len(layers)]:
             if (cache.keep, cache.max_size) not in kinds:
-                kinds[cache.keep, cache.max_size] = _plan(cache, s, n)
+                kinds[cache.keep, cache.max_size] = _plan(cache, s, n, native is not None)
     gemma = _gemma(model)
     runs = _runs(segments, lengths) if floors.rows_alone else None
-    native = cpu_kernel.native_of(model)
     fusing = native is not None and floors == Floors()
     for index, layer in enumerate(layers):
         attn = layer.self_attn

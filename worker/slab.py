@@ -83,6 +83,13 @@ class SlabCache(RotatingKVCache):
             self.keys[..., slot : slot + run, :] = keys[..., done : done + run, :]
             self.values[..., slot : slot + run, :] = values[..., done : done + run, :]
 
+    def claim(self, total: int, like: mx.array) -> list[tuple[int, int, int]]:
+        """The runs (slot, first token, run) `total` new tokens like `like`
+        (1, kv heads, tokens, D) go to, the arrays grown for them and the
+        positions advanced past them: for a writer of its own
+        (kvmux_native's attend_rows), which gives the arrays back updated."""
+        return list(self._claim(total, like))
+
     def _claim(self, total: int, like: mx.array | None):
         """The runs of slots `total` new tokens go to, as (slot, first token,
         run): each run's slots reserved before it is yielded, the positions

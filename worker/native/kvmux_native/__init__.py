@@ -5,7 +5,8 @@
   bits fast, AVX-512 / AVX2 / scalar; src/kernels.h says how it sums);
 - `rms_norm` and `rope`: mx.fast's, as one op each (MLX's CPU backend runs
   them as graphs of small ops);
-- `attend`: decode rows' attention over one layer of a slab, one op;
+- `attend_rows`: decode rows' attention at one layer for every session of
+  a pass, their slabs' writes included, one op;
 - `attention_in` and `mlp`: a llama-style layer's halves around the slab
   (its norms, seven products, rope, swiglu, residual adds), one op each.
 
@@ -15,7 +16,7 @@ crash or refuse every call, so importing it then fails here instead."""
 import mlx.core as mx  # first: the extension's types are MLX's
 
 from ._ext import (
-    attend,
+    attend_rows,
     attention_in,
     built_with,
     isa,
@@ -35,7 +36,7 @@ if built_with() != mx.__version__:
     )
 
 __all__ = [
-    "attend",
+    "attend_rows",
     "attention_in",
     "isa",
     "isas",

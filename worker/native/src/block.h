@@ -6,7 +6,8 @@
 //
 // V provides: vec, PARTS (registers a vec is made of: where more than one,
 // part, load_part(p), fma_part(a, b, c) and part_of(v, h), a reference to
-// its h-th register), zero(), set1(f), load(p), store(p, v), fma(a, b, c)
+// its h-th register), IN_FLIGHT and CHUNK (direct's weight rows and rows
+// of x at a time: what its registers hold), zero(), set1(f), load(p), store(p, v), fma(a, b, c)
 // (a * b + c, one rounding), hsum(v) (the fixed tree of kernels.h),
 // codes4(p, even, odd) (32 4-bit codes from 16 bytes), codes8(p) (16 8-bit codes) and
 // half(h) (a float16's bits to float), halves16(p, out) (16 of them).
@@ -114,14 +115,65 @@ void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
   }
 }
 
-// Few rows of x (a decode step, a verify pass): NB weight rows dequantized
-// in registers as they are read, each multiplied into MB rows of x at
-// once; the same products and sums as the scratch path below.
+// Few rows of x (a decode step, a verify pass, a shared pass): NB weight
+// rows dequantized in registers as they are read, each multiplied into
+// MB rows of x at once; the same products and sums as the scratch path
+// below.
 constexpr int AHEAD = 1;
 
+// MB rows of x from m0 against the NB weight rows `rows` (their scales
+// and biases as floats, `groups` apart), written to out's columns nb..nb + nn.
 template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
-void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
+inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
+                        const float* bias, int nb, int nn, int m0) {
   const int K = p.K, group = p.group, groups = K / group;
+  const size_t row_bytes = size_t(K) * BITS / 8;
+  typename V::vec acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      acc[i][j] = V::zero();
+  for (int g = 0; g < groups; ++g) {
+    typename V::vec s[NB], b[NB], table[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      s[j] = V::set1(scale[size_t(j) * groups + g]);
+      b[j] = V::set1(bias[size_t(j) * groups + g]);
+      table[j] = table_of<V, BITS>(s[j], b[j]);
+    }
+    for (int k = g * group; k < (g + 1) * group; k += 32) {
+      // The rows AHEAD blocks on, a cache line at a time: the
+      // prefetchers follow a row's stream, not the jump to the next rows.
+      if ((k * BITS / 8) % 64 == 0)
+        for (int j = 0; j < NB; ++j) __builtin_prefetch(rows[j] + AHEAD * NB * row_bytes + k * BITS / 8);
+      typename V::vec lo[NB], hi[NB];
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i) {
+        const auto xlo = V::load(p.x + size_t(m0 + i) * K + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j)
+          acc[i][j] = V::fma(xlo, lo[j], acc[i][j]);
+        const auto xhi = V::load(p.x + size_t(m0 + i) * K + k + 16);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j)
+          acc[i][j] = V::fma(xhi, hi[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nn; ++j)
+      p.out[size_t(m0 + i) * p.N + nb + j] = V::hsum(acc[i][j]);
+}
+
+// Rows m0..m1 of x by weight rows n0..n1, NB weight rows at a time, each
+// block's rows of x CHUNK at a time while its codes are in L1 (its bytes
+// are read from memory once, whatever the rows).
+template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int CHUNK>
+void direct(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
+  const int K = p.K, groups = K / p.group;
   const size_t row_bytes = size_t(K) * BITS / 8;
   // The block's scales and biases as floats, converted 16 at a time (one
   // broadcast load each in the loop below, not a conversion).
@@ -138,44 +190,22 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0) {
       to_floats<V, ST>(p.scales, size_t(n) * groups, groups, scale + size_t(j) * groups);
       to_floats<V, ST>(p.biases, size_t(n) * groups, groups, bias + size_t(j) * groups);
     }
-    typename V::vec acc[MB][NB];
-#pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j)
-        acc[i][j] = V::zero();
-    for (int g = 0; g < groups; ++g) {
-      typename V::vec s[NB], b[NB], table[NB];
-#pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) {
-        s[j] = V::set1(scale[size_t(j) * groups + g]);
-        b[j] = V::set1(bias[size_t(j) * groups + g]);
-        table[j] = table_of<V, BITS>(s[j], b[j]);
-      }
-      for (int k = g * group; k < (g + 1) * group; k += 32) {
-        // The rows AHEAD blocks on, a cache line at a time: the
-        // prefetchers follow a row's stream, not the jump to the next rows.
-        if ((k * BITS / 8) % 64 == 0)
-          for (int j = 0; j < NB; ++j) __builtin_prefetch(rows[j] + AHEAD * NB * row_bytes + k * BITS / 8);
-        typename V::vec lo[NB], hi[NB];
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
-#pragma GCC unroll 8
-        for (int i = 0; i < MB; ++i) {
-          const auto xlo = V::load(p.x + size_t(m0 + i) * K + k);
-#pragma GCC unroll 8
-          for (int j = 0; j < NB; ++j)
-            acc[i][j] = V::fma(xlo, lo[j], acc[i][j]);
-          const auto xhi = V::load(p.x + size_t(m0 + i) * K + k + 16);
-#pragma GCC unroll 8
-          for (int j = 0; j < NB; ++j)
-            acc[i][j] = V::fma(xhi, hi[j], acc[i][j]);
-        }
+    for (int m = m0; m < m1; m += CHUNK) {
+      switch (m1 - m < CHUNK ? m1 - m : CHUNK) {
+        case 1:
+          direct_rows<V, BITS, ST, NB, 1>(p, rows, scale, bias, nb, nn, m);
+          break;
+        case 2:
+          if constexpr (CHUNK >= 2) direct_rows<V, BITS, ST, NB, 2>(p, rows, scale, bias, nb, nn, m);
+          break;
+        case 3:
+          if constexpr (CHUNK >= 3) direct_rows<V, BITS, ST, NB, 3>(p, rows, scale, bias, nb, nn, m);
+          break;
+        default:
+          if constexpr (CHUNK >= 4) direct_rows<V, BITS, ST, NB, 4>(p, rows, scale, bias, nb, nn, m);
+          break;
       }
     }
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < nn; ++j)
-        p.out[size_t(m0 + i) * p.N + nb + j] = V::hsum(acc[i][j]);
   }
 }
 
@@ -258,28 +288,13 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
 }
 
 // Rows m0..m1 of x by rows n0..n1 of W: up to DIRECT rows of x straight
-// from the codes (IN_FLIGHT weight rows at a time), more through the scratch
-// (the weights dequantized once for all of them) in tiles of NB weight
-// rows by MB rows of x: the same products and sums either way.
+// from the codes (V::IN_FLIGHT weight rows by V::CHUNK rows of x at a time),
+// more through the scratch (the weights dequantized once for all of them)
+// in tiles of NB weight rows by MB rows of x: the same products and sums
+// either way.
 template <class V, int BITS, kvmux_native::ScaleType ST, int DIRECT, int NB, int MB>
 void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
-  // Weight rows in flight: where a vector is two registers (AVX2's 16),
-  // one: with two the compiler spilled sums to the stack, a store and a
-  // load in each sum's chain (a decode step's products ~30 % slower).
-  constexpr int IN_FLIGHT = V::PARTS > 1 ? 1 : DIRECT;
-  switch (m1 - m0) {
-    case 1:
-      return direct<V, BITS, ST, IN_FLIGHT, 1>(p, n0, n1, m0);
-    case 2:
-      if constexpr (DIRECT >= 2) return direct<V, BITS, ST, IN_FLIGHT, 2>(p, n0, n1, m0);
-      break;
-    case 3:
-      if constexpr (DIRECT >= 3) return direct<V, BITS, ST, IN_FLIGHT, 3>(p, n0, n1, m0);
-      break;
-    case 4:
-      if constexpr (DIRECT >= 4) return direct<V, BITS, ST, IN_FLIGHT, 4>(p, n0, n1, m0);
-      break;
-  }
+  if (m1 - m0 <= DIRECT) return direct<V, BITS, ST, V::IN_FLIGHT, V::CHUNK>(p, n0, n1, m0, m1);
   scratch_block<V, BITS, ST, NB, MB>(p, n0, n1, m0, m1, scratch);
 }
 

@@ -15,9 +15,5 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = (p * r) * r + r + 1.0f;
-  const int e = int(n) + 127;
-  float scale;
-  const uint32_t bits = uint32_t(e) << 23;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
+  return y * __builtin_bit_cast(float, (int(n) + 127) << 23);
 }

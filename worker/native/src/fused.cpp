@@ -1,6 +1,8 @@
 #include "fused.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -27,6 +29,31 @@ float sum_of_squares(const float* v, int n) {
   for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
   for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+#include "expf.h"
+
+// A row's attention at one KV head from its parts (attend.h's Part, in
+// slot order): each part's weights rescaled to the largest max, summed in
+// order, the values' sum divided by the weights'. One part: its sum times
+// 1 / its weights, a single pass's arithmetic.
+void combine(const float* parts, int count, int G, int D, float* out) {
+  for (int g = 0; g < G; ++g) {
+    float top = -__builtin_inff();
+    for (int c = 0; c < count; ++c) top = std::max(top, parts[(size_t(c) * G + g) * (D + 2) + D]);
+    float total = 0.0f;
+    float* o = out + size_t(g) * D;
+    for (int d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int c = 0; c < count; ++c) {
+      const float* part = parts + (size_t(c) * G + g) * (D + 2);
+      if (part[D + 1] == 0.0f) continue;  // every slot masked
+      const float w = exp_nonpositive(part[D] - top);
+      total += w * part[D + 1];
+      for (int d = 0; d < D; ++d) o[d] += w * part[d];
+    }
+    const float inv = 1.0f / total;
+    for (int d = 0; d < D; ++d) o[d] *= inv;
+  }
 }
 
 }  // namespace
@@ -153,66 +180,173 @@ bool RoPE::is_equivalent(const mx::Primitive& other) const {
   return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
 }
 
-mx::array attend(
+std::vector<mx::array> attend_rows(
     const mx::array& q,
     const mx::array& keys,
     const mx::array& values,
-    int length,
-    const std::optional<mx::array>& mask) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.attend] " + what); };
+    const std::vector<mx::array>& slabs,
+    const std::vector<std::vector<int>>& writes,
+    const std::vector<std::vector<int>>& reads,
+    const std::vector<mx::array>& masks) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.attend_rows] " + what); };
   if (q.ndim() != 3 && !(q.ndim() == 4 && q.shape(2) == 1)) fail("q must be (rows, heads, D) or (rows, heads, 1, D)");
-  if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape() != values.shape())
-    fail("keys and values must be (1, kv heads, slots, D) alike");
-  const int rows = q.shape(0), heads = q.shape(1), D = q.shape(-1), kv = keys.shape(1);
-  if (keys.shape(3) != D) fail("keys' D must be q's");
+  const int T = q.shape(0), heads = q.shape(1), D = q.shape(-1);
+  if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape(2) != T || keys.shape(3) != D || keys.shape() != values.shape())
+    fail("keys and values must be (1, kv heads, q's rows, D) alike");
+  const int kv = keys.shape(1);
   if (kv < 1 || heads % kv) fail("heads must be a multiple of the kv heads");
-  if (length < 1 || length > keys.shape(2)) fail("length must be within the slab's slots");
-  if (mask && (mask->ndim() != 2 || mask->shape(0) != rows || mask->shape(1) < length))
-    fail("mask must be (rows, at least length)");
+  if (slabs.size() != 2 * writes.size() || reads.size() != writes.size())
+    fail("each session needs its slab's keys and values, its writes and its reads");
+  int rows = 0;
+  for (size_t i = 0; i < writes.size(); ++i) {
+    const auto& k = slabs[2 * i];
+    if (k.ndim() != 4 || k.shape(0) != 1 || k.shape(1) != kv || k.shape(3) != D || k.shape() != slabs[2 * i + 1].shape())
+      fail("a slab's keys and values must be (1, kv heads, slots, D) alike");
+    const int slots = k.shape(2);
+    if (writes[i].size() % 3) fail("writes are (slot, row, count) triples");
+    for (size_t w = 0; w < writes[i].size(); w += 3) {
+      const int slot = writes[i][w], row = writes[i][w + 1], count = writes[i][w + 2];
+      if (count < 1 || slot < 0 || slot + count > slots || row < 0 || row + count > T)
+        fail("a write must fit the slab's slots and the pass's rows");
+    }
+    if (reads[i].size() % 4) fail("reads are (first, last, length, mask) quadruples");
+    for (size_t r = 0; r < reads[i].size(); r += 4) {
+      const int first = reads[i][r], last = reads[i][r + 1], length = reads[i][r + 2], m = reads[i][r + 3];
+      if (first < 0 || last <= first || last > T) fail("a read's rows must be within the pass's");
+      if (length < 1 || length > slots) fail("length must be within the slab's slots");
+      if (m >= int(masks.size())) fail("a read's mask index is out of range");
+      if (m >= 0 && (masks[m].ndim() != 2 || masks[m].shape(0) != last - first || masks[m].shape(1) < length))
+        fail("a mask must be (the read's rows, at least length)");
+      rows += last - first;
+    }
+  }
   for (const auto* a : {&q, &keys, &values})
     if (a->dtype() != mx::float32) fail("q, keys and values must be float32");
+  for (const auto& a : slabs)
+    if (a.dtype() != mx::float32) fail("slabs must be float32");
   auto s = cpu_stream();
   std::vector<mx::array> inputs{q, keys, values};
-  if (mask) inputs.push_back(as_float32(*mask, s));
-  return mx::array({1, rows, heads * D}, mx::float32, std::make_shared<Attend>(s, length), inputs);
+  std::vector<mx::Shape> shapes{{1, rows, heads * D}};
+  for (const auto& a : slabs) {
+    inputs.push_back(a);
+    shapes.push_back(a.shape());
+  }
+  for (const auto& m : masks) inputs.push_back(as_float32(m, s));
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(1 + slabs.size(), mx::float32),
+                                std::make_shared<AttendRows>(s, writes, reads), inputs);
 }
 
-void Attend::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const size_t sessions = writes_.size();
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  // A slab's buffer is updated in place where this op holds the only
+  // reference to it (the session's slab now points at the output), as
+  // MLX's slice_update does; else it is copied first. make_arrays gave
+  // each output its own copy of the inputs, so every input is held once
+  // per output and is_donatable never holds: the siblings' copies, which
+  // eval drops once this op is done (it detaches them), go now.
+  if (!outputs[0].is_tracer())
+    for (auto& o : outputs)
+      if (&o.inputs() != &inputs) o.inputs().clear();
+  std::vector<bool> copied(2 * sessions);
+  for (size_t i = 0; i < 2 * sessions; ++i) {
+    const auto& in = inputs[3 + i];
+    if (in.is_donatable() && in.flags().row_contiguous) {
+      outputs[1 + i].copy_shared_buffer(in);
+    } else {
+      outputs[1 + i].set_data(mx::allocator::malloc(outputs[1 + i].nbytes()));
+      copied[i] = true;
+    }
+  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  encoder.dispatch([inputs, o = out.data<float>(), length = length_]() {
-    thread_local std::vector<float> qs, ks, vs, ms;
+  for (auto& a : outputs) encoder.set_output_array(a);
+  std::vector<float*> slab_data;
+  for (size_t i = 0; i < 2 * sessions; ++i) slab_data.push_back(outputs[1 + i].data<float>());
+  encoder.dispatch([inputs, o = outputs[0].data<float>(), slab_data, copied, writes = writes_, reads = reads_]() {
+    thread_local std::vector<float> qs, ks, vs, copy;
     const auto& q = inputs[0];
     const auto& keys = inputs[1];
-    Attention a{};
-    a.q = contiguous_rows(q, qs);
-    a.keys = contiguous_rows(keys, ks);
-    a.values = contiguous_rows(inputs[2], vs);
-    a.mask = inputs.size() > 3 ? contiguous_rows(inputs[3], ms) : nullptr;
-    a.mask_stride = inputs.size() > 3 ? inputs[3].shape(1) : 0;
-    a.out = o;
-    a.rows = q.shape(0);
-    a.heads = q.shape(1);
-    a.D = q.shape(-1);
-    a.kv_heads = keys.shape(1);
-    a.length = length;
-    a.kv_stride = size_t(keys.shape(2)) * a.D;
+    const int heads = q.shape(1), D = q.shape(-1), kv = keys.shape(1), T = keys.shape(2);
+    const float* qv = contiguous_rows(q, qs);
+    const float* new_kv[2] = {contiguous_rows(keys, ks), contiguous_rows(inputs[2], vs)};
+    std::vector<std::vector<float>> mask_copies(inputs.size() - 3 - 2 * writes.size());
+    std::vector<Attention> runs;
+    std::vector<int> first_item;  // per run: its first item (rows x kv heads each)
+    int items = 0, out_row = 0;
+    for (size_t i = 0; i < writes.size(); ++i) {
+      const int slots = inputs[3 + 2 * i].shape(2);
+      for (int part = 0; part < 2; ++part) {
+        float* slab = slab_data[2 * i + part];
+        if (copied[2 * i + part]) {
+          const auto& in = inputs[3 + 2 * i + part];
+          std::memcpy(slab, contiguous_rows(in, copy), in.nbytes());
+        }
+        for (size_t w = 0; w < writes[i].size(); w += 3) {
+          const int slot = writes[i][w], row = writes[i][w + 1], count = writes[i][w + 2];
+          for (int h = 0; h < kv; ++h)
+            std::memcpy(slab + (size_t(h) * slots + slot) * D, new_kv[part] + (size_t(h) * T + row) * D,
+                        sizeof(float) * count * D);
+        }
+      }
+      for (size_t r = 0; r < reads[i].size(); r += 4) {
+        const int first = reads[i][r], last = reads[i][r + 1], m = reads[i][r + 3];
+        Attention a{};
+        a.q = qv + size_t(first) * heads * D;
+        a.keys = slab_data[2 * i];
+        a.values = slab_data[2 * i + 1];
+        if (m >= 0) {
+          const auto& mask = inputs[3 + 2 * writes.size() + m];
+          a.mask = contiguous_rows(mask, mask_copies[m]);
+          a.mask_stride = mask.shape(1);
+        }
+        a.out = o + size_t(out_row) * heads * D;
+        a.rows = last - first;
+        a.heads = heads;
+        a.D = D;
+        a.kv_heads = kv;
+        a.length = reads[i][r + 2];
+        a.kv_stride = size_t(slots) * D;
+        runs.push_back(a);
+        first_item.push_back(items);
+        items += a.rows * kv;
+        out_row += a.rows;
+      }
+    }
+    // Items by run, KV head, row, then part: a thread's next item mostly
+    // reads the same keys and values, still in its cache.
+    std::vector<int> parts_of(runs.size()), first_part(runs.size() + 1);
+    int most = 0, D_ = D;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      parts_of[r] = (runs[r].length + PART_SLOTS - 1) / PART_SLOTS;
+      first_part[r + 1] = first_part[r] + runs[r].rows * kv * parts_of[r];
+      most = std::max(most, (heads / kv) * std::min(runs[r].length, PART_SLOTS));
+    }
+    const int G = heads / kv;
+    thread_local std::vector<float> partial_buffer;  // this (the stream's) thread's: the pool writes through `partials`
+    partial_buffer.resize(size_t(first_part.back()) * G * (D + 2));
+    float* partials = partial_buffer.data();
     const AttendFn one = attend_kernel();
-    // Items by KV head, then row: a thread's next item mostly reads the
-    // same keys and values, still in its cache.
-    const size_t need = size_t(a.heads / a.kv_heads) * (length + 1);
-    parallel_for(a.kv_heads * a.rows, [&](int item) {
+    parallel_for(first_part.back(), [&](int item) {
       thread_local std::vector<float> scores;
-      if (scores.size() < need) scores.resize(need);
-      one(a, item % a.rows, item / a.rows, scores.data());
+      if (scores.size() < size_t(most)) scores.resize(most);
+      const size_t r = std::upper_bound(first_part.begin(), first_part.end(), item) - first_part.begin() - 1;
+      const Attention& a = runs[r];
+      const int local = item - first_part[r], part = local % parts_of[r], pair = local / parts_of[r];
+      const int j0 = part * PART_SLOTS, j1 = std::min(a.length, j0 + PART_SLOTS);
+      one(a, pair % a.rows, pair / a.rows, j0, j1, scores.data(), partials + size_t(item) * G * (D_ + 2));
     });
+    for (size_t r = 0; r < runs.size(); ++r)
+      for (int pair = 0; pair < runs[r].rows * kv; ++pair) {
+        const int row = pair % runs[r].rows, head = pair / runs[r].rows;
+        combine(partials + (size_t(first_part[r]) + size_t(pair) * parts_of[r]) * G * (D + 2), parts_of[r], G,
+                D, runs[r].out + (size_t(row) * heads + size_t(head) * G) * D);
+      }
   });
 }
 
-void Attend::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("[kvmux_native.attend] runs on the CPU only");
+void AttendRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[kvmux_native.attend_rows] runs on the CPU only");
 }
 
 }  // namespace kvmux_native

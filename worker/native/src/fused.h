@@ -54,32 +54,44 @@ mx::array rope(
     float scale,
     const std::optional<mx::array>& freqs);
 
-// Decode rows' attention over one layer of a slab, one op: q (rows, heads,
-// 1, D) or (rows, heads, D), already scaled and rotated; keys and values
-// the slab's (1, kv heads, slots, D), read at slots [0, length) (the new
-// rows' keys already written there); mask an additive (rows, >= length)
-// mask or none. Returns (1, rows, heads * D): per row and head the scores,
+// Decode rows' attention at one layer for every session of a pass, one
+// op: each session's new keys and values written into its slab, then each
+// of its rows attending over its slab. q (T, heads, 1, D) or (T, heads,
+// D): the pass's queries, scaled and rotated; keys and values (1, kv
+// heads, T, D): the pass's new ones. Per session: `slabs` holds its
+// slab's keys then values (1, kv heads, slots, D); `writes` its (slot,
+// pass row, count) runs (rows into consecutive slots); `reads` its runs of
+// rows (first pass row, last + 1, slots read [0, length), index into
+// `masks` or -1: an additive (rows of the run, >= length) mask, or none).
+// Returns the attended rows (1, R, heads * D), R the rows of every read
+// in order, then each slab's keys and values after the writes: the
+// slab's own buffers updated in place where nothing else holds them
+// (MLX's slice_update rule), else copies. Per row and head: the scores,
 // a precise softmax (max subtracted) and the weighted sum of values, in a
 // fixed order per query, so a row's output is the same in any pass.
-mx::array attend(
+std::vector<mx::array> attend_rows(
     const mx::array& q,
     const mx::array& keys,
     const mx::array& values,
-    int length,
-    const std::optional<mx::array>& mask);
+    const std::vector<mx::array>& slabs,
+    const std::vector<std::vector<int>>& writes,
+    const std::vector<std::vector<int>>& reads,
+    const std::vector<mx::array>& masks);
 
-class Attend : public mx::UnaryPrimitive {
+class AttendRows : public mx::Primitive {
  public:
-  Attend(mx::Stream stream, int length) : mx::UnaryPrimitive(stream), length_(length) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override { return "KvmuxAttend"; }
+  AttendRows(mx::Stream stream, std::vector<std::vector<int>> writes, std::vector<std::vector<int>> reads)
+      : mx::Primitive(stream), writes_(std::move(writes)), reads_(std::move(reads)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "KvmuxAttendRows"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return length_ == static_cast<const Attend&>(other).length_;
+    const auto& o = static_cast<const AttendRows&>(other);
+    return writes_ == o.writes_ && reads_ == o.reads_;
   }
 
  private:
-  int length_;
+  std::vector<std::vector<int>> writes_, reads_;
 };
 
 class RMSNorm : public mx::UnaryPrimitive {

@@ -25,6 +25,10 @@ struct V {
     __m256 lo, hi;
   };
   static constexpr int PARTS = 2;
+  // block.h's direct: weight rows by rows of x at a time. With two weight
+  // rows the compiler spilled sums to the stack, a store and a load in
+  // each sum's chain (a decode step's products ~30 % slower).
+  static constexpr int IN_FLIGHT = 1, CHUNK = 2;
   using part = __m256;
   // In a register: the compiler would fold the load into each FMA that
   // uses it (one load per weight row), and the loads bound the loop.
@@ -69,7 +73,7 @@ struct V {
 
 }  // namespace avx2
 
-AttendFn attend_avx2() { return &avx2::attend_group; }
+AttendFn attend_avx2() { return &avx2::attend_part; }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 
 }  // namespace kvmux_native

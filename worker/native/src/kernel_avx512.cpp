@@ -15,6 +15,7 @@ namespace avx512 {
 
 struct V {
   static constexpr int PARTS = 1;  // one register a vector
+  static constexpr int IN_FLIGHT = 4, CHUNK = 4;  // block.h's direct: weight rows by rows of x at a time
   static float half(uint16_t h) { return _cvtsh_ss(h); }
   static void halves16(const uint16_t* p, float* out) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
@@ -58,8 +59,8 @@ struct V {
 
 }  // namespace avx512
 
-AttendFn attend_avx512() { return &avx512::attend_group; }
-BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, DIRECT_AVX512, DIRECT_AVX512>; }
+AttendFn attend_avx512() { return &avx512::attend_part; }
+BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options

@@ -13,6 +13,7 @@ namespace scalar {
 
 struct V {
   static constexpr int PARTS = 1;  // one register a vector
+  static constexpr int IN_FLIGHT = 1, CHUNK = 1;  // block.h's direct: weight rows by rows of x at a time
   static constexpr bool TABLE4 = false;
   static float half(uint16_t h) { return kvmux_native::half_to_float(h); }
   static void halves16(const uint16_t* p, float* out) {
@@ -64,7 +65,7 @@ struct V {
 
 }  // namespace scalar
 
-AttendFn attend_scalar() { return &scalar::attend_group; }
+AttendFn attend_scalar() { return &scalar::attend_part; }
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
 
 }  // namespace kvmux_native

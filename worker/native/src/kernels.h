@@ -75,9 +75,19 @@ struct Attention {
   size_t kv_stride, mask_stride;
 };
 
-// One row against one KV head of an Attention (its query heads together);
-// `scores` holds (heads / kv_heads) * (length + 1) floats.
-using AttendFn = void (*)(const Attention&, int row, int kv, float* scores);
+// A row's attention over a run of slots is split into parts of at most
+// PART_SLOTS slots, fixed by the slots it reads alone (so a row's parts,
+// and its bits, are the same in any pass), spread over the threads and
+// combined in order: one row over a full window is then more items than
+// the threads (its KV heads alone are 3 for 2 threads, one of them idle
+// half the time).
+constexpr int PART_SLOTS = 512;
+
+// One row against one KV head of an Attention over slots [j0, j1) (its
+// query heads together): `scores` holds (heads / kv_heads) * (j1 - j0)
+// floats, `part` gets per query head D + 2: the weighted sum of values
+// by exp(score - max), the max, the sum of the weights (attend.h).
+using AttendFn = void (*)(const Attention&, int row, int kv, int j0, int j1, float* scores, float* part);
 
 AttendFn attend_scalar();
 AttendFn attend_avx2();
@@ -97,10 +107,11 @@ BlockFn block_avx2();
 BlockFn block_avx512();
 
 // Rows of x each kernel computes straight from the codes (more go through
-// a scratch of dequantized rows): its registers hold that many rows'
-// accumulators for 4 weight rows at a time on AVX-512, 1 on AVX2 and
-// scalar (block.h's IN_FLIGHT).
-constexpr int DIRECT_AVX512 = 4, DIRECT_AVX2 = 2, DIRECT_SCALAR = 1;
+// a scratch of dequantized rows): its registers hold the accumulators of
+// 4 rows of x by 4 weight rows on AVX-512 and 2 by 1 on AVX2 (V::CHUNK,
+// V::IN_FLIGHT), and a block of weight rows meets every row of x in turn
+// while its codes are in L1, so its bytes are read once (block.h's direct).
+constexpr int DIRECT_AVX512 = 16, DIRECT_AVX2 = 4, DIRECT_SCALAR = 1;
 
 // Whether the CPU runs the kernel of `isa`.
 bool supported(Isa isa);
