@@ -73,7 +73,7 @@ struct V {
 
 }  // namespace avx2
 
-AttendFn attend_avx2() { return &avx2::attend_part; }
+AttendFn attend_avx2() { return &avx2::attend_part<avx2::Halves>; }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 
 }  // namespace kvmux_native

@@ -59,7 +59,7 @@ struct V {
 
 }  // namespace avx512
 
-AttendFn attend_avx512() { return &avx512::attend_part; }
+AttendFn attend_avx512() { return &avx512::attend_part<avx512::Wide>; }
 BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; }
 
 }  // namespace kvmux_native
