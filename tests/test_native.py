@@ -168,6 +168,23 @@ def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
     assert mx.abs(_attend(q, keys, values, length) - want).max().item() < 1e-5
 
 
+def test_softmax_rows_equals_mlx_precise_softmax_with_the_chunk_mask():
+    """A prefill chunk's scores (kv heads, group * rows, slots) and its (rows,
+    slots) mask, row i taking mask row i % rows: MLX's precise softmax to
+    float32 rounding, masked slots exactly 0."""
+    rows, slots = 24, 2084
+    s = mx.random.normal((1, 3, 3 * rows, slots), key=mx.random.key(30)) * 4
+    mask = np.zeros((rows, slots), np.float32)
+    mask[3, :100], mask[:, 2070:] = -np.inf, -np.inf
+    got = native.softmax_rows(s, mx.array(mask))
+    want = mx.softmax((s.reshape(1, 3, 3, rows, slots) + mx.array(mask)).reshape(s.shape), axis=-1, precise=True)
+    assert mx.abs(got - want).max().item() < 1e-5
+    assert (got.reshape(1, 3, 3, rows, slots)[..., 3, :100] == 0).all().item() and (got[..., 2070:] == 0).all().item()
+    assert mx.abs(native.softmax_rows(s, None) - mx.softmax(s, axis=-1, precise=True)).max().item() < 1e-5
+    with pytest.raises(ValueError, match="mask"):
+        native.softmax_rows(s, mx.array(mask[:5]))
+
+
 def test_attend_rows_writes_each_session_into_its_slab_then_attends():
     """Two sessions in one op: each one's new keys and values land in its
     own slab's slots (a run that wraps to the ring's start included), the

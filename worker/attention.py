@@ -53,7 +53,7 @@ class _Block:
 
     scores: list[mx.array]  # per part of the slab: (batch, kv heads, group * rows, slots)
     values: list[mx.array]  # per part: (1, kv heads, slots, head dim)
-    mask: np.ndarray | None  # additive 0 / -inf: (rows, slots of every part)
+    mask: np.ndarray | mx.array | None  # additive 0 / -inf: (rows, slots of every part); mx where native
     rows: int
     numpy: bool  # softmax in NumPy
     per_row: bool  # scores laid out (rows, kv, group, slots), else (1, kv, group * rows, slots)
@@ -160,12 +160,16 @@ def _plan_chunk(queries: mx.array, keys: mx.array, values: mx.array, cache: Slab
     return _Pending([_Block(scores, parts_v, mask, n, numpy, per_row=False)], (cache, keys, values))
 
 
-def _softmax(block: _Block) -> list[mx.array]:
-    """Probabilities per part, in NumPy or in MLX. Rows are independent:
-    each is masked, maxed, exponentiated and summed on its own."""
+def _softmax(block: _Block, native=None) -> list[mx.array]:
+    """Probabilities per part, in kvmux_native (`native`: one op, masked
+    there), NumPy or MLX. Rows are independent: each is masked, maxed,
+    exponentiated and summed on its own."""
     edges = np.cumsum([b.shape[-1] for b in block.scores])[:-1].tolist()
-    if not block.numpy:
+    if native is not None or not block.numpy:
         s = mx.concatenate(block.scores, axis=-1) if len(block.scores) > 1 else block.scores[0]
+        if native is not None and not block.per_row:  # (1, kv heads, group * rows, slots): row i is token i % rows
+            p = native.softmax_rows(s, block.mask)  # an mx array where native (forward.py's plan)
+            return mx.split(p, edges, axis=-1) if edges else [p]
         if block.mask is not None:
             s = _masked(block, s, mx.array(block.mask))
         p = mx.softmax(s, axis=-1, precise=True)
@@ -203,8 +207,9 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
     attends over its own slab, which gets its new tokens; `plan` is
     `row_masks(...)` for decode rows, `additive_mask(...)` for a prefill
     chunk. `native`: the kvmux_native module where the model runs on it
-    (worker/cpu_kernel.py): every decode-row segment attends in one op
-    (their plans' masks as mx arrays: `native_masks`)."""
+    (worker/cpu_kernel.py): every decode-row segment attends in one op,
+    a chunk's softmax is one op (their plans' masks as mx arrays:
+    `native_masks`, forward.py's plan)."""
     total, n_heads = queries.shape[:2]
     rows = [segment for segment in segments if isinstance(segment[3], list)] if native is not None else []
     natively = _attend_rows(native, queries, keys, values, rows) if rows else None
@@ -223,7 +228,7 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
             pending.append(_plan_rows(*part, cache, plan))
         else:
             pending.append(_plan_chunk(*part, cache, plan))
-    numpy = [b.scores for p in pending for b in p.blocks if b.numpy]
+    numpy = [b.scores for p in pending for b in p.blocks if b.numpy and native is None]
     if numpy:
         mx.eval(numpy)
     outputs = []
@@ -231,7 +236,7 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
         if p.out is not None:
             outputs.append(p.out)
         for block in p.blocks:
-            probs = _softmax(block)
+            probs = _softmax(block, native)
             out = probs[0] @ block.values[0]
             for w, v in zip(probs[1:], block.values[1:], strict=True):
                 out = out + w @ v

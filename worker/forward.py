@@ -189,10 +189,13 @@ def _runs(segments: list[Segment], lengths: list[int]) -> list[tuple[int, int]]:
 
 
 def _plan(cache: SlabCache, segment: Segment, n: int, native: bool):
+    """A segment's attention plan on layers with `cache`'s kind of slab;
+    with kvmux_native, its masks as mx arrays (made once a pass)."""
     if segment.rows or n == 1:
         runs = row_masks(cache, n)
         return native_masks(runs) if native else runs
-    return additive_mask(cache, n)
+    mask = additive_mask(cache, n)
+    return mx.array(mask) if native else mask
 
 
 def forward(model: nn.Module, segments: list[Segment], floors: Floors) -> list[mx.array]:

@@ -7,6 +7,7 @@
   them as graphs of small ops);
 - `attend_rows`: decode rows' attention at one layer for every session of
   a pass, their slabs' writes included, one op;
+- `softmax_rows`: a prefill chunk's masked softmax, one op;
 - `attention_in` and `mlp`: a llama-style layer's halves around the slab
   (its norms, seven products, rope, swiglu, residual adds), one op each.
 
@@ -27,6 +28,7 @@ from ._ext import (
     rope,
     set_isa,
     set_threads,
+    softmax_rows,
     threads,
 )
 
@@ -46,5 +48,6 @@ __all__ = [
     "rope",
     "set_isa",
     "set_threads",
+    "softmax_rows",
     "threads",
 ]

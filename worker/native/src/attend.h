@@ -180,4 +180,37 @@ void attend_part(const kvmux_native::Attention& a, int row, int kv, int j0, int 
   }
 }
 
+// kvmux_native.softmax_rows' arithmetic on one row of n scores plus its
+// mask row (or none): the body of kernels.h's SoftmaxFn.
+void softmax_row(const float* s, const float* mask, int n, float* out) {
+  const int whole = n / 16 * 16;
+  float tops[16], lanes[16] = {};
+  for (int j = 0; j < n; ++j) out[j] = mask ? s[j] + mask[j] : s[j];
+  for (int l = 0; l < 16; ++l) tops[l] = -__builtin_inff();
+  for (int j = 0; j < whole; j += 16)
+    for (int l = 0; l < 16; ++l) tops[l] = out[j + l] > tops[l] ? out[j + l] : tops[l];
+  for (int j = whole; j < n; ++j) tops[j - whole] = out[j] > tops[j - whole] ? out[j] : tops[j - whole];
+  float top = tops[0];
+  for (int l = 1; l < 16; ++l) top = tops[l] > top ? tops[l] : top;
+  for (int j = 0; j < whole; j += 16) {
+    float p[16];
+    for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(out[j + l] - top);
+    for (int l = 0; l < 16; ++l) {
+      p[l] = out[j + l] == -__builtin_inff() ? 0.0f : p[l];
+      out[j + l] = p[l];
+      lanes[l] += p[l];
+    }
+  }
+  for (int j = whole; j < n; ++j) {
+    const float p = out[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(out[j] - top);
+    out[j] = p;
+    lanes[j - whole] += p;
+  }
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  const float inv = 1.0f / ((s4[0] + s4[2]) + (s4[1] + s4[3]));
+  for (int j = 0; j < n; ++j) out[j] *= inv;
+}
+
 }  // namespace

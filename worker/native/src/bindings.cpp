@@ -44,6 +44,9 @@ NB_MODULE(_ext, m) {
   m.def("attend_rows", &kvmux_native::attend_rows, "q"_a, "keys"_a, "values"_a, "slabs"_a, "writes"_a, "reads"_a,
         "masks"_a, "Decode rows' attention at one layer for every session of a pass, their slabs' writes "
         "included, as one CPU op (see fused.h): the attended rows, then each slab's keys and values.");
+  m.def("softmax_rows", &kvmux_native::softmax_rows, "scores"_a, "mask"_a = nb::none(),
+        "A precise softmax over the last axis with an additive (M, S) mask, row r taking mask row r % M, as one "
+        "CPU op (see fused.h).");
   m.def("built_with", [] { return std::string(KVMUX_MLX_VERSION); }, "The mlx release this module was built against.");
   m.def("isa", &kvmux_native::isa, "The instruction set the kernel runs: avx512, avx2 or scalar.");
   m.def("isas", &kvmux_native::isas, "Every instruction set this CPU runs the kernel in, best first.");

@@ -58,6 +58,41 @@ void combine(const float* parts, int count, int G, int D, float* out) {
 
 }  // namespace
 
+mx::array softmax_rows(const mx::array& scores, const std::optional<mx::array>& mask) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.softmax_rows] " + what); };
+  if (scores.ndim() < 2 || scores.dtype() != mx::float32) fail("scores must be float32 with at least 2 dimensions");
+  if (mask && (mask->ndim() != 2 || mask->shape(1) != scores.shape(-1) || scores.shape(-2) % mask->shape(0)))
+    fail("mask must be (M, scores' last dimension) with M dividing the scores' rows");
+  auto s = cpu_stream();
+  std::vector<mx::array> inputs{scores};
+  if (mask) inputs.push_back(as_float32(*mask, s));
+  return mx::array(scores.shape(), mx::float32, std::make_shared<SoftmaxRows>(s), inputs);
+}
+
+void SoftmaxRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([inputs, o = out.data<float>()]() {
+    thread_local std::vector<float> ss, ms;
+    const auto& scores = inputs[0];
+    const int n = scores.shape(-1);
+    const float* sv = contiguous_rows(scores, ss);
+    const float* mv = inputs.size() > 1 ? contiguous_rows(inputs[1], ms) : nullptr;
+    const int mask_rows = inputs.size() > 1 ? inputs[1].shape(0) : 1;
+    const int rows = int(scores.size() / n);
+    const SoftmaxFn softmax_row = attention_kernels().softmax;
+    parallel_for(rows, [&](int r) {
+      softmax_row(sv + size_t(r) * n, mv ? mv + size_t(r % mask_rows) * n : nullptr, n, o + size_t(r) * n);
+    });
+  });
+}
+
+void SoftmaxRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[kvmux_native.softmax_rows] runs on the CPU only");
+}
+
 void rms_rows(const float* x, const float* w, float eps, size_t rows, int D, float* out) {
   for (size_t r = 0; r < rows; ++r) {
     const float* row = x + r * D;
@@ -326,7 +361,7 @@ void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     thread_local std::vector<float> partial_buffer;  // this (the stream's) thread's: the pool writes through `partials`
     partial_buffer.resize(size_t(first_part.back()) * G * (D + 2));
     float* partials = partial_buffer.data();
-    const AttendFn one = attend_kernel();
+    const AttendFn one = attention_kernels().attend;
     parallel_for(first_part.back(), [&](int item) {
       thread_local std::vector<float> scores;
       if (scores.size() < size_t(most)) scores.resize(most);

@@ -78,6 +78,23 @@ std::vector<mx::array> attend_rows(
     const std::vector<std::vector<int>>& reads,
     const std::vector<mx::array>& masks);
 
+// A precise softmax over the last axis of scores (..., R, S) plus an
+// additive mask (M, S) (row r takes mask row r % M: a prefill chunk's
+// scores of M tokens, its query heads' rows one after another), one op:
+// what MLX's CPU runs as a scalar exp (or NumPy after a synchronisation).
+// Each row: its max, exp(score - max) (vectorised, -inf weighs exactly
+// nothing), their sum in 16 lanes and a fixed tree, the weights over it.
+mx::array softmax_rows(const mx::array& scores, const std::optional<mx::array>& mask);
+
+class SoftmaxRows : public mx::UnaryPrimitive {
+ public:
+  explicit SoftmaxRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "KvmuxSoftmaxRows"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 class AttendRows : public mx::Primitive {
  public:
   AttendRows(mx::Stream stream, std::vector<std::vector<int>> writes, std::vector<std::vector<int>> reads)

@@ -73,7 +73,7 @@ struct V {
 
 }  // namespace avx2
 
-AttendFn attend_avx2() { return &avx2::attend_part<avx2::Halves>; }
+AttentionKernels attention_avx2() { return {&avx2::attend_part<avx2::Halves>, &avx2::softmax_row}; }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 
 }  // namespace kvmux_native
@@ -82,6 +82,6 @@ BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 #else
 namespace kvmux_native {
 BlockFn block_avx2() { return nullptr; }
-AttendFn attend_avx2() { return nullptr; }
+AttentionKernels attention_avx2() { return {}; }
 }  // namespace kvmux_native
 #endif

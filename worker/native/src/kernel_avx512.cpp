@@ -59,7 +59,7 @@ struct V {
 
 }  // namespace avx512
 
-AttendFn attend_avx512() { return &avx512::attend_part<avx512::Wide>; }
+AttentionKernels attention_avx512() { return {&avx512::attend_part<avx512::Wide>, &avx512::softmax_row}; }
 BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; }
 
 }  // namespace kvmux_native
@@ -68,6 +68,6 @@ BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; 
 #else
 namespace kvmux_native {
 BlockFn block_avx512() { return nullptr; }
-AttendFn attend_avx512() { return nullptr; }
+AttentionKernels attention_avx512() { return {}; }
 }  // namespace kvmux_native
 #endif

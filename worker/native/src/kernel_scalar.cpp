@@ -65,7 +65,7 @@ struct V {
 
 }  // namespace scalar
 
-AttendFn attend_scalar() { return &scalar::attend_part<scalar::Halves>; }
+AttentionKernels attention_scalar() { return {&scalar::attend_part<scalar::Halves>, &scalar::softmax_row}; }
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
 
 }  // namespace kvmux_native

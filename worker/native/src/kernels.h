@@ -89,9 +89,19 @@ constexpr int PART_SLOTS = 512;
 // by exp(score - max), the max, the sum of the weights (attend.h).
 using AttendFn = void (*)(const Attention&, int row, int kv, int j0, int j1, float* scores, float* part);
 
-AttendFn attend_scalar();
-AttendFn attend_avx2();
-AttendFn attend_avx512();
+// A precise softmax of one row of n scores plus its additive mask row
+// (or none) into out (attend.h's softmax_row).
+using SoftmaxFn = void (*)(const float* scores, const float* mask, int n, float* out);
+
+// An instruction set's attention kernels.
+struct AttentionKernels {
+  AttendFn attend;
+  SoftmaxFn softmax;
+};
+
+AttentionKernels attention_scalar();
+AttentionKernels attention_avx2();
+AttentionKernels attention_avx512();
 
 enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
 

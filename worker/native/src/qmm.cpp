@@ -385,14 +385,14 @@ void parallel_for(int count, const std::function<void(int)>& items) {
   pool->run(count, items);
 }
 
-AttendFn attend_kernel() {
+AttentionKernels attention_kernels() {
   switch (current_isa.load()) {
     case Isa::avx512:
-      return attend_avx512();
+      return attention_avx512();
     case Isa::avx2:
-      return attend_avx2();
+      return attention_avx2();
     default:
-      return attend_scalar();
+      return attention_scalar();
   }
 }
 

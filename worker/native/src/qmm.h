@@ -70,8 +70,8 @@ const float* contiguous_rows(const mx::array& x, std::vector<float>& copy);
 // items(i) for every i in [0, count), over the kernel's threads.
 void parallel_for(int count, const std::function<void(int)>& items);
 
-// The attention kernel of the instruction set in use.
-AttendFn attend_kernel();
+// The attention kernels of the instruction set in use.
+AttentionKernels attention_kernels();
 
 // The instruction set the kernel runs ("avx512", "avx2", "scalar"), and
 // every one this CPU can run, best first.
