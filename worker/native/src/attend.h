@@ -83,6 +83,37 @@ inline float dot16(const float* a, const float* b, int D) {
 
 #include "expf.h"
 
+// Scores s[0, n) in place to their weights exp(score - max) (-inf: exactly
+// 0), `top` set to the max; returns the weights' sum. 16 slots at a time
+// (lane l takes j = 16c + l, then the lanes' tree): a fixed order, and
+// loops the vector unit runs.
+template <class L>
+float weigh(float* s, int n, float& top) {
+  const int whole = n / 16 * 16;
+  float tops[16], lanes[16] = {};
+  for (int l = 0; l < 16; ++l) tops[l] = -__builtin_inff();
+  for (int j = 0; j < whole; j += 16)
+    for (int l = 0; l < 16; ++l) tops[l] = s[j + l] > tops[l] ? s[j + l] : tops[l];
+  for (int j = whole; j < n; ++j) tops[j - whole] = s[j] > tops[j - whole] ? s[j] : tops[j - whole];
+  top = tops[0];
+  for (int l = 1; l < 16; ++l) top = tops[l] > top ? tops[l] : top;
+  for (int j = 0; j < whole; j += 16) {
+    float p[16];
+    for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(s[j + l] - top);
+    for (int l = 0; l < 16; ++l) {
+      p[l] = s[j + l] == -__builtin_inff() ? 0.0f : p[l];
+      s[j + l] = p[l];
+      lanes[l] += p[l];
+    }
+  }
+  for (int j = whole; j < n; ++j) {
+    const float p = s[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(s[j] - top);
+    s[j] = p;
+    lanes[j - whole] += p;
+  }
+  return tree16(L::load(lanes));
+}
+
 // One row against one KV head over slots [j0, j1): the query heads that
 // share it (grouped-query attention) scored as each key is read, so a key
 // is read once for them all; masked where mask[j] is -inf (those weigh
@@ -112,37 +143,12 @@ void attend_part_of(const kvmux_native::Attention& a, int row, int kv, int j0, i
     }
     for (int g = 0; g < G; ++g) scores[size_t(g) * n + j] = dot16<L, DC>(q + size_t(g) * D, k, D) + m;
   }
-  // Per query head: the max, then the weights exp(score - max) and their
-  // sum, 16 slots at a time (lane l takes j = 16c + l, then the lanes'
-  // tree: a fixed order, and a loop the vector unit runs), then the
-  // weighted sum of values, slot by slot.
-  const int whole = n / 16 * 16;
+  // Per query head: the weights (weigh), then the weighted sum of values,
+  // slot by slot.
   for (int g = 0; g < G; ++g) {
     float* s = scores + size_t(g) * n;
-    float tops[16], lanes[16] = {};
-    for (int l = 0; l < 16; ++l) tops[l] = -__builtin_inff();
-    for (int j = 0; j < whole; j += 16)
-      for (int l = 0; l < 16; ++l) tops[l] = s[j + l] > tops[l] ? s[j + l] : tops[l];
-    for (int j = whole; j < n; ++j) tops[j - whole] = s[j] > tops[j - whole] ? s[j] : tops[j - whole];
-    float top = tops[0];
-    for (int l = 1; l < 16; ++l) top = tops[l] > top ? tops[l] : top;
-    for (int j = 0; j < whole; j += 16) {
-      float p[16];
-      for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(s[j + l] - top);
-      for (int l = 0; l < 16; ++l) {
-        p[l] = s[j + l] == -__builtin_inff() ? 0.0f : p[l];
-        s[j + l] = p[l];
-        lanes[l] += p[l];
-      }
-    }
-    for (int j = whole; j < n; ++j) {
-      const float p = s[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(s[j] - top);
-      s[j] = p;
-      lanes[j - whole] += p;
-    }
     float* o = part + size_t(g) * (D + 2);
-    o[D] = top;
-    o[D + 1] = tree16(L::load(lanes));
+    o[D + 1] = weigh<L>(s, n, o[D]);
     if constexpr (DC > 0) {  // the sums in registers
       L acc[DC];
       for (int c = 0; c < DC; ++c) acc[c] = L::splat(0.0f);
@@ -182,34 +188,11 @@ void attend_part(const kvmux_native::Attention& a, int row, int kv, int j0, int 
 
 // kvmux_native.softmax_rows' arithmetic on one row of n scores plus its
 // mask row (or none): the body of kernels.h's SoftmaxFn.
+template <class L>
 void softmax_row(const float* s, const float* mask, int n, float* out) {
-  const int whole = n / 16 * 16;
-  float tops[16], lanes[16] = {};
   for (int j = 0; j < n; ++j) out[j] = mask ? s[j] + mask[j] : s[j];
-  for (int l = 0; l < 16; ++l) tops[l] = -__builtin_inff();
-  for (int j = 0; j < whole; j += 16)
-    for (int l = 0; l < 16; ++l) tops[l] = out[j + l] > tops[l] ? out[j + l] : tops[l];
-  for (int j = whole; j < n; ++j) tops[j - whole] = out[j] > tops[j - whole] ? out[j] : tops[j - whole];
-  float top = tops[0];
-  for (int l = 1; l < 16; ++l) top = tops[l] > top ? tops[l] : top;
-  for (int j = 0; j < whole; j += 16) {
-    float p[16];
-    for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(out[j + l] - top);
-    for (int l = 0; l < 16; ++l) {
-      p[l] = out[j + l] == -__builtin_inff() ? 0.0f : p[l];
-      out[j + l] = p[l];
-      lanes[l] += p[l];
-    }
-  }
-  for (int j = whole; j < n; ++j) {
-    const float p = out[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(out[j] - top);
-    out[j] = p;
-    lanes[j - whole] += p;
-  }
-  float s8[8], s4[4];
-  for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
-  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-  const float inv = 1.0f / ((s4[0] + s4[2]) + (s4[1] + s4[3]));
+  float top;
+  const float inv = 1.0f / weigh<L>(out, n, top);
   for (int j = 0; j < n; ++j) out[j] *= inv;
 }
 

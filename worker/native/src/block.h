@@ -115,6 +115,16 @@ void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
   }
 }
 
+// Every accumulator of a block of sums to 0.
+template <class V, int MB, int NB>
+inline void zero_all(typename V::vec (&acc)[MB][NB]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      acc[i][j] = V::zero();
+}
+
 // Few rows of x (a decode step, a verify pass, a shared pass): NB weight
 // rows dequantized in registers as they are read, each multiplied into
 // MB rows of x at once; the same products and sums as the scratch path
@@ -129,11 +139,7 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
   const int K = p.K, group = p.group, groups = K / group;
   const size_t row_bytes = size_t(K) * BITS / 8;
   typename V::vec acc[MB][NB];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j)
-      acc[i][j] = V::zero();
+  zero_all<V>(acc);
   for (int g = 0; g < groups; ++g) {
     typename V::vec s[NB], b[NB], table[NB];
 #pragma GCC unroll 8
@@ -217,11 +223,7 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
 template <class V, int NB, int MB>
 void tile(const float* x, int ldx, const float* w, int K, float* out, int ldo) {
   typename V::vec acc[MB][NB];
-#pragma GCC unroll 8
-  for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j)
-      acc[i][j] = V::zero();
+  zero_all<V>(acc);
   for (int k = 0; k < K; k += 16) {
     if constexpr (V::PARTS > 1) {
       constexpr int W = 16 / V::PARTS;

@@ -307,8 +307,7 @@ void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     const float* new_kv[2] = {contiguous_rows(keys, ks), contiguous_rows(inputs[2], vs)};
     std::vector<std::vector<float>> mask_copies(inputs.size() - 3 - 2 * writes.size());
     std::vector<Attention> runs;
-    std::vector<int> first_item;  // per run: its first item (rows x kv heads each)
-    int items = 0, out_row = 0;
+    int out_row = 0;
     for (size_t i = 0; i < writes.size(); ++i) {
       const int slots = inputs[3 + 2 * i].shape(2);
       for (int part = 0; part < 2; ++part) {
@@ -343,15 +342,13 @@ void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
         a.length = reads[i][r + 2];
         a.kv_stride = size_t(slots) * D;
         runs.push_back(a);
-        first_item.push_back(items);
-        items += a.rows * kv;
         out_row += a.rows;
       }
     }
     // Items by run, KV head, row, then part: a thread's next item mostly
     // reads the same keys and values, still in its cache.
     std::vector<int> parts_of(runs.size()), first_part(runs.size() + 1);
-    int most = 0, D_ = D;
+    int most = 0;
     for (size_t r = 0; r < runs.size(); ++r) {
       parts_of[r] = (runs[r].length + PART_SLOTS - 1) / PART_SLOTS;
       first_part[r + 1] = first_part[r] + runs[r].rows * kv * parts_of[r];
@@ -369,7 +366,7 @@ void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
       const Attention& a = runs[r];
       const int local = item - first_part[r], part = local % parts_of[r], pair = local / parts_of[r];
       const int j0 = part * PART_SLOTS, j1 = std::min(a.length, j0 + PART_SLOTS);
-      one(a, pair % a.rows, pair / a.rows, j0, j1, scores.data(), partials + size_t(item) * G * (D_ + 2));
+      one(a, pair % a.rows, pair / a.rows, j0, j1, scores.data(), partials + size_t(item) * G * (D + 2));
     });
     for (size_t r = 0; r < runs.size(); ++r)
       for (int pair = 0; pair < runs[r].rows * kv; ++pair) {

@@ -73,7 +73,9 @@ struct V {
 
 }  // namespace avx2
 
-AttentionKernels attention_avx2() { return {&avx2::attend_part<avx2::Halves>, &avx2::softmax_row}; }
+AttentionKernels attention_avx2() {
+  return {&avx2::attend_part<avx2::Halves>, &avx2::softmax_row<avx2::Halves>};
+}
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 
 }  // namespace kvmux_native

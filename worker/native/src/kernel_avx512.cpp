@@ -59,7 +59,9 @@ struct V {
 
 }  // namespace avx512
 
-AttentionKernels attention_avx512() { return {&avx512::attend_part<avx512::Wide>, &avx512::softmax_row}; }
+AttentionKernels attention_avx512() {
+  return {&avx512::attend_part<avx512::Wide>, &avx512::softmax_row<avx512::Wide>};
+}
 BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; }
 
 }  // namespace kvmux_native

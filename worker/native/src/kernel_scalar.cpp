@@ -65,7 +65,9 @@ struct V {
 
 }  // namespace scalar
 
-AttentionKernels attention_scalar() { return {&scalar::attend_part<scalar::Halves>, &scalar::softmax_row}; }
+AttentionKernels attention_scalar() {
+  return {&scalar::attend_part<scalar::Halves>, &scalar::softmax_row<scalar::Halves>};
+}
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
 
 }  // namespace kvmux_native
