@@ -216,6 +216,19 @@ def test_attend_rows_writes_each_session_into_its_slab_then_attends():
     assert mx.array_equal(out, mx.concatenate([alone_a, alone_b], axis=1)).item()
     with pytest.raises(ValueError, match="write must fit"):
         native.attend_rows(q, new_k, new_v, [*slab_a], [[8, 0, 1]], [[0, 1, 8, -1]], [])
+    # A slab held by nothing else (as a session's, which takes the op's
+    # outputs back) is written in place, not copied.
+    slab = [mx.random.normal((1, kv, 8, d), key=mx.random.key(i)) for i in (27, 28)]
+    mx.eval(slab)
+    where = _address(slab[0])
+    out, *slab = native.attend_rows(q[:1], new_k[..., :1, :], new_v[..., :1, :], slab, [[7, 0, 1]], [[0, 1, 8, -1]], [])
+    mx.eval(out, slab)
+    assert _address(slab[0]) == where and mx.array_equal(slab[0][..., 7, :], new_k[..., 0, :]).item()
+
+
+def _address(a: mx.array) -> int:
+    """Where an array's data lives (NumPy's view of it, released at once)."""
+    return np.asarray(a).__array_interface__["data"][0]
 
 
 def _layer(hidden: int, heads: int, kv_heads: int, inner: int):

@@ -38,9 +38,10 @@ def test_a_full_queue_serves_high_priority_first(stacks):
 
     def open_one(name: str, **options) -> None:
         with Client(stack.frontend, timeout=60) as client:
-            client.open_session(**options).detach()  # it stays: its slab is hibernated for the next
-            with lock:
+            session = client.open_session(**options)
+            with lock:  # as soon as it is served: the next is served while this thread detaches
                 answered.append(name)
+            session.detach()  # it stays: its slab is hibernated for the next
 
     with Client(stack.frontend, timeout=60) as client:
         busy = client.open_session()
