@@ -145,7 +145,9 @@ def _attend_rows(native, queries: mx.array, keys: mx.array, values: mx.array, se
     return out
 
 
-def _plan_chunk(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray) -> _Pending:
+def _plan_chunk(
+    queries: mx.array, keys: mx.array, values: mx.array, cache: SlabCache, mask: np.ndarray | mx.array
+) -> _Pending:
     """Scores of a prefill chunk's rows on one layer of its slab."""
     n, _, _, head_dim = queries.shape
     kv_heads = keys.shape[1]
@@ -167,12 +169,10 @@ def _softmax(block: _Block, native=None) -> list[mx.array]:
     edges = np.cumsum([b.shape[-1] for b in block.scores])[:-1].tolist()
     if native is not None or not block.numpy:
         s = mx.concatenate(block.scores, axis=-1) if len(block.scores) > 1 else block.scores[0]
-        if native is not None and not block.per_row:  # (1, kv heads, group * rows, slots): row i is token i % rows
+        if native is not None:  # a chunk's block (decode rows attend in attend_rows); row i is token i % rows
             p = native.softmax_rows(s, block.mask)  # an mx array where native (forward.py's plan)
-            return mx.split(p, edges, axis=-1) if edges else [p]
-        if block.mask is not None:
-            s = _masked(block, s, mx.array(block.mask))
-        p = mx.softmax(s, axis=-1, precise=True)
+        else:
+            p = mx.softmax(s if block.mask is None else _masked(block, s, mx.array(block.mask)), axis=-1, precise=True)
         return mx.split(p, edges, axis=-1) if edges else [p]
     parts = [np.asarray(s) for s in block.scores]
     s = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0].copy()  # ours to write in place

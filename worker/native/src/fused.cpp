@@ -33,7 +33,7 @@ float sum_of_squares(const float* v, int n) {
 
 #include "expf.h"
 
-// A row's attention at one KV head from its parts (attend.h's Part, in
+// A row's attention at one KV head from its parts (attend.h's attend_part, in
 // slot order): each part's weights rescaled to the largest max, summed in
 // order, the values' sum divided by the weights'. One part: its sum times
 // 1 / its weights, a single pass's arithmetic.

@@ -67,8 +67,10 @@ mx::array rope(
 // in order, then each slab's keys and values after the writes: the
 // slab's own buffers updated in place where nothing else holds them
 // (MLX's slice_update rule), else copies. Per row and head: the scores,
-// a precise softmax (max subtracted) and the weighted sum of values, in a
-// fixed order per query, so a row's output is the same in any pass.
+// a precise softmax (max subtracted) and the weighted sum of values over
+// parts of kernels.h's PART_SLOTS slots (fixed by the slots it reads),
+// combined in order: a fixed order per query, so a row's output is the
+// same in any pass.
 std::vector<mx::array> attend_rows(
     const mx::array& q,
     const mx::array& keys,

@@ -79,8 +79,7 @@ struct Attention {
 // PART_SLOTS slots, fixed by the slots it reads alone (so a row's parts,
 // and its bits, are the same in any pass), spread over the threads and
 // combined in order: one row over a full window is then more items than
-// the threads (its KV heads alone are 3 for 2 threads, one of them idle
-// half the time).
+// the threads (its KV heads alone are 3 items for 2 threads).
 constexpr int PART_SLOTS = 512;
 
 // One row against one KV head of an Attention over slots [j0, j1) (its
