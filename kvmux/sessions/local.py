@@ -161,7 +161,11 @@ class LocalStore(SessionStore):
 
     def bytes_stored(self, session_id: str) -> int:
         folder = self.dir(session_id)
-        return _size(folder / RECORD) + sum(_size(path) for path in folder.glob(_SNAPSHOTS))
+        try:
+            snapshots = sum(_size(path) for path in folder.glob(_SNAPSHOTS))
+        except FileNotFoundError:  # deleted meanwhile (a worker closing it while the broker lists sessions)
+            return 0
+        return _size(folder / RECORD) + snapshots
 
     def bytes_total(self) -> int:
         fd = os.open(self.root / BYTES, os.O_RDWR | os.O_CREAT, 0o600)
