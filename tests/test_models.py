@@ -132,10 +132,12 @@ def test_a_chat_past_the_sliding_window_matches_mlx_lm(gemma, gemma_stack):
     # KV bytes: every sliding layer holds its 512 slots (and the spare ones
     # a verify pass writes into, where the model speculates), the 3 global
     # ones the whole history (their arrays grow 256 slots at a time); a
-    # slot is one key and one value head of 256 float32s.
+    # slot is one key and one value head of 256 float16s where kvmux_native
+    # runs the model (its slabs' dtype), else float32s.
     args = gemma.model.args
     spare = MAX_DRAFT if forward.supported(gemma.model) else 0
-    slot = 2 * args.num_key_value_heads * args.head_dim * 4
+    native = gemma_stack.stats().workers[0].compute.kernel.startswith("kvmux_native")
+    slot = 2 * args.num_key_value_heads * args.head_dim * (2 if native and forward.supported(gemma.model) else 4)
     globals_ = args.num_hidden_layers // args.sliding_window_pattern
     sliding = (args.num_hidden_layers - globals_) * (512 + spare)
     assert info.kv_live_bytes == (sliding + globals_ * -(-history // 256) * 256) * slot

@@ -118,18 +118,30 @@ def test_fused_norm_and_rope_equal_mx_fast():
 
 
 def _attend(q, keys, values, length, mask=None):
-    """native.attend_rows for one session whose keys are already in its
-    slab (no writes): its rows over slots [0, length)."""
-    out, _, _ = native.attend_rows(
+    """native.attend for one session's decode rows whose keys are already
+    in its (float16) slab (no writes): its rows over slots [0, length)."""
+    out, _, _ = native.attend(
         q,
-        keys[..., : q.shape[0], :],
-        values[..., : q.shape[0], :],
+        keys[..., : q.shape[0], :].astype(mx.float32),
+        values[..., : q.shape[0], :].astype(mx.float32),
         [keys, values],
         [[]],
         [[0, q.shape[0], length, -1 if mask is None else 0]],
         [] if mask is None else [mask],
+        [False],
     )
     return out
+
+
+def _reference(q, keys, values, mask):
+    """MLX's attention of q (rows, heads, 1, D) over keys and values (1, kv,
+    slots, D), widened to float32, plus an additive (rows, slots) mask."""
+    rows, heads, _, d = q.shape
+    kv = keys.shape[1]
+    scores = q.reshape(rows, kv, heads // kv, d) @ keys.astype(mx.float32).swapaxes(-1, -2)
+    if mask is not None:
+        scores = scores + mask.reshape(rows, 1, 1, -1)
+    return (mx.softmax(scores, axis=-1, precise=True) @ values.astype(mx.float32)).reshape(1, rows, heads * d)
 
 
 def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
@@ -138,15 +150,12 @@ def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
     rounding; each row bit-identical alone and on every instruction set."""
     rows, heads, kv, d, slots, length = 5, 9, 3, 64, 300, 257
     q = mx.random.normal((rows, heads, 1, d), key=mx.random.key(10)) * 0.125
-    keys, values = (mx.random.normal((1, kv, slots, d), key=mx.random.key(i)) for i in (11, 12))
+    keys, values = (mx.random.normal((1, kv, slots, d), key=mx.random.key(i)).astype(mx.float16) for i in (11, 12))
     mask = np.zeros((rows, length), np.float32)
     mask[:, 200:], mask[1, :3] = -np.inf, -np.inf
     for m in (None, mx.array(mask)):
         got = _attend(q, keys, values, length, m)
-        scores = q.reshape(rows, kv, heads // kv, d) @ keys[..., :length, :].swapaxes(-1, -2)
-        if m is not None:
-            scores = scores + m.reshape(rows, 1, 1, length)
-        want = (mx.softmax(scores, axis=-1, precise=True) @ values[..., :length, :]).reshape(1, rows, heads * d)
+        want = _reference(q, keys[..., :length, :], values[..., :length, :], m)
         assert got.shape == (1, rows, heads * d) and mx.abs(got - want).max().item() < 1e-5
         for r in range(rows):
             alone = _attend(q[r : r + 1], keys, values, length, None if m is None else m[r : r + 1])
@@ -161,31 +170,44 @@ def test_fused_attention_equals_mlx_softmax_path_and_a_row_is_alone():
     assert all(mx.array_equal(o, outs[0]).item() for o in outs)
     with pytest.raises(ValueError, match="length"):
         _attend(q, keys, values, slots + 1)
+    with pytest.raises(ValueError, match="slabs must be float16"):
+        _attend(q, keys.astype(mx.float32), values.astype(mx.float32), length)
     # A head size that is no multiple of the kernel's 16 lanes (a tiny draft model's).
     q, keys, values = q[..., :40], keys[..., :40], values[..., :40]
-    scores = q.reshape(rows, kv, heads // kv, 40) @ keys[..., :length, :].swapaxes(-1, -2)
-    want = (mx.softmax(scores, axis=-1, precise=True) @ values[..., :length, :]).reshape(1, rows, heads * 40)
+    want = _reference(q, keys[..., :length, :], values[..., :length, :], None)
     assert mx.abs(_attend(q, keys, values, length) - want).max().item() < 1e-5
 
 
-def test_softmax_rows_equals_mlx_precise_softmax_with_the_chunk_mask():
-    """A prefill chunk's scores (kv heads, group * rows, slots) and its (rows,
-    slots) mask, row i taking mask row i % rows: MLX's precise softmax to
-    float32 rounding, masked slots exactly 0."""
-    rows, slots = 24, 2084
-    s = mx.random.normal((1, 3, 3 * rows, slots), key=mx.random.key(30)) * 4
-    mask = np.zeros((rows, slots), np.float32)
-    mask[3, :100], mask[:, 2070:] = -np.inf, -np.inf
-    got = native.softmax_rows(s, mx.array(mask))
-    want = mx.softmax((s.reshape(1, 3, 3, rows, slots) + mx.array(mask)).reshape(s.shape), axis=-1, precise=True)
-    assert mx.abs(got - want).max().item() < 1e-5
-    assert (got.reshape(1, 3, 3, rows, slots)[..., 3, :100] == 0).all().item() and (got[..., 2070:] == 0).all().item()
-    assert mx.abs(native.softmax_rows(s, None) - mx.softmax(s, axis=-1, precise=True)).max().item() < 1e-5
-    with pytest.raises(ValueError, match="mask"):
-        native.softmax_rows(s, mx.array(mask[:5]))
+def test_a_chunk_reads_its_slab_as_it_stood_then_writes():
+    """A prefill chunk longer than its ring's free slots: its rows attend
+    over the slab as it stood (masked by the positions its slots hold) and
+    over its own keys causally, as MLX's attention over both, though its
+    writes overwrite slots its first rows see; its keys and values land in
+    the slab after, as float16 (nearest)."""
+    heads, kv, d, slots, n = 6, 2, 64, 40, 24
+    q = mx.random.normal((n, heads, 1, d), key=mx.random.key(40)) * 0.125
+    new_k, new_v = (mx.random.normal((1, kv, n, d), key=mx.random.key(i)) for i in (41, 42))
+    slab = [mx.random.normal((1, kv, slots, d), key=mx.random.key(i)).astype(mx.float16) for i in (43, 44)]
+    mx.eval(q, new_k, new_v, slab)
+    before = [mx.array(a) for a in slab]
+    mask = np.zeros((n, slots + n), np.float32)
+    mask[:, :5] = -np.inf  # slots holding nothing
+    dropped = np.arange(20)[None, :] < np.arange(n)[:, None]  # the oldest slots, dropped row by row
+    mask[:, 10:30] = np.where(dropped, -np.inf, 0)
+    mask[:, slots:][np.triu(np.ones((n, n), bool), 1)] = -np.inf  # causal over its own
+    writes = [[10, 0, 20, 0, 20, 4]]  # over the slab's slots 10-29 (seen by the first rows), then 0-3
+    out, k, v = native.attend(q, new_k, new_v, slab, writes, [[0, n, slots, 0]], [mx.array(mask)], [True])
+    both_k = mx.concatenate([before[0], new_k.astype(mx.float16)], axis=2)
+    both_v = mx.concatenate([before[1], new_v.astype(mx.float16)], axis=2)
+    assert mx.abs(out - _reference(q, both_k, both_v, mx.array(mask))).max().item() < 1e-5
+    assert mx.array_equal(k[..., 10:30, :], new_k[..., :20, :].astype(mx.float16)).item()
+    assert mx.array_equal(v[..., :4, :], new_v[..., 20:, :].astype(mx.float16)).item()
+    assert mx.array_equal(k[..., 30:, :], before[0][..., 30:, :]).item()
+    with pytest.raises(ValueError, match="chunk's read needs a mask"):
+        native.attend(q, new_k, new_v, slab, writes, [[0, n, slots, -1]], [], [True])
 
 
-def test_attend_rows_writes_each_session_into_its_slab_then_attends():
+def test_decode_rows_write_each_session_into_its_slab_then_attend():
     """Two sessions in one op: each one's new keys and values land in its
     own slab's slots (a run that wraps to the ring's start included), the
     slab a caller still holds is left as it was, and each session's rows
@@ -193,37 +215,39 @@ def test_attend_rows_writes_each_session_into_its_slab_then_attends():
     heads, kv, d = 6, 2, 16
     q = mx.random.normal((3, heads, 1, d), key=mx.random.key(20))
     new_k, new_v = (mx.random.normal((1, kv, 3, d), key=mx.random.key(i)) for i in (21, 22))
-    slab_a = [mx.random.normal((1, kv, 8, d), key=mx.random.key(i)) for i in (23, 24)]
-    slab_b = [mx.random.normal((1, kv, 5, d), key=mx.random.key(i)) for i in (25, 26)]
+    slab_a = [mx.random.normal((1, kv, 8, d), key=mx.random.key(i)).astype(mx.float16) for i in (23, 24)]
+    slab_b = [mx.random.normal((1, kv, 5, d), key=mx.random.key(i)).astype(mx.float16) for i in (25, 26)]
     mx.eval(q, new_k, new_v, slab_a, slab_b)
     held = [mx.array(a) for a in slab_a]  # copies to compare with: slab_a itself is still held here
     # Session a: pass row 0 into slot 7; session b: rows 1-2 into slots 4 and 0 (wrapped).
     writes = [[7, 0, 1], [4, 1, 1, 0, 2, 1]]
     reads = [[0, 1, 8, -1], [1, 3, 5, 0]]
     mask = mx.array(np.array([[0, 0, 0, 0, 0], [0, -np.inf, 0, 0, 0]], np.float32))
-    out, ka, va, kb, vb = native.attend_rows(q, new_k, new_v, [*slab_a, *slab_b], writes, reads, [mask])
+    out, ka, va, kb, vb = native.attend(q, new_k, new_v, [*slab_a, *slab_b], writes, reads, [mask], [False, False])
     assert mx.array_equal(slab_a[0], held[0]).item()  # held elsewhere: copied, not written in place
+    half_k, half_v = new_k.astype(mx.float16), new_v.astype(mx.float16)
     assert (
-        mx.array_equal(ka[..., 7, :], new_k[..., 0, :]).item()
+        mx.array_equal(ka[..., 7, :], half_k[..., 0, :]).item()
         and mx.array_equal(va[..., :7, :], held[1][..., :7, :]).item()
     )
     assert (
-        mx.array_equal(kb[..., 4, :], new_k[..., 1, :]).item()
-        and mx.array_equal(vb[..., 0, :], new_v[..., 2, :]).item()
+        mx.array_equal(kb[..., 4, :], half_k[..., 1, :]).item()
+        and mx.array_equal(vb[..., 0, :], half_v[..., 2, :]).item()
     )
     alone_a = _attend(q[:1], ka, va, 8)
     alone_b = _attend(q[1:], kb, vb, 5, mask)
     assert mx.array_equal(out, mx.concatenate([alone_a, alone_b], axis=1)).item()
     with pytest.raises(ValueError, match="write must fit"):
-        native.attend_rows(q, new_k, new_v, [*slab_a], [[8, 0, 1]], [[0, 1, 8, -1]], [])
+        native.attend(q, new_k, new_v, [*slab_a], [[8, 0, 1]], [[0, 1, 8, -1]], [], [False])
     # A slab held by nothing else (as a session's, which takes the op's
     # outputs back) is written in place, not copied.
-    slab = [mx.random.normal((1, kv, 8, d), key=mx.random.key(i)) for i in (27, 28)]
+    slab = [mx.random.normal((1, kv, 8, d), key=mx.random.key(i)).astype(mx.float16) for i in (27, 28)]
     mx.eval(slab)
     where = _address(slab[0])
-    out, *slab = native.attend_rows(q[:1], new_k[..., :1, :], new_v[..., :1, :], slab, [[7, 0, 1]], [[0, 1, 8, -1]], [])
+    first = (q[:1], new_k[..., :1, :], new_v[..., :1, :])
+    out, *slab = native.attend(*first, slab, [[7, 0, 1]], [[0, 1, 8, -1]], [], [False])
     mx.eval(out, slab)
-    assert _address(slab[0]) == where and mx.array_equal(slab[0][..., 7, :], new_k[..., 0, :]).item()
+    assert _address(slab[0]) == where and mx.array_equal(slab[0][..., 7, :], half_k[..., 0, :]).item()
 
 
 def _address(a: mx.array) -> int:

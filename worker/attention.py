@@ -28,6 +28,10 @@ vectorised one on the same cores, and it was most of the cost of attending
 over a full window (docs/design.md). `attend_all` evaluates the scores of
 every segment of a forward pass at once, so that costs one synchronisation
 per layer, not one per session.
+
+Where kvmux_native runs the model, every segment of a pass attends in one
+op a layer by the same rules (`_attend_native`), over slabs that keep their
+keys and values in float16 (SLAB_DTYPE; docs/design.md, "Float16 slabs").
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ import mlx.core as mx
 import numpy as np
 
 from .slab import SlabCache
+
+# What kvmux_native's attention keeps in a slab: float16 keys and values,
+# half the bytes a token reads at a full window (float32 products).
+SLAB_DTYPE = mx.float16
 
 # On a GPU the softmax stays in MLX (and in the lazy graph); on a CPU too
 # while every segment's scores are few (a decode step over a short cache),
@@ -53,7 +61,7 @@ class _Block:
 
     scores: list[mx.array]  # per part of the slab: (batch, kv heads, group * rows, slots)
     values: list[mx.array]  # per part: (1, kv heads, slots, head dim)
-    mask: np.ndarray | mx.array | None  # additive 0 / -inf: (rows, slots of every part); mx where native
+    mask: np.ndarray | None  # additive 0 / -inf: (rows, slots of every part)
     rows: int
     numpy: bool  # softmax in NumPy
     per_row: bool  # scores laid out (rows, kv, group, slots), else (1, kv, group * rows, slots)
@@ -65,7 +73,6 @@ class _Pending:
 
     blocks: list[_Block]
     write: tuple[SlabCache, mx.array, mx.array] | None = None  # new tokens to store once read
-    out: mx.array | None = None  # attended outright (native decode rows): (1, rows, heads * D)
 
 
 def additive_mask(cache: SlabCache, n: int) -> np.ndarray:
@@ -124,13 +131,18 @@ def _plan_rows(queries: mx.array, keys: mx.array, values: mx.array, cache: SlabC
     return _Pending(blocks)
 
 
-def _attend_rows(native, queries: mx.array, keys: mx.array, values: mx.array, segments: list[tuple]) -> mx.array:
-    """Every decode-row segment of a pass (`segments`: (start, n, cache,
-    runs with mx masks)) in one kvmux_native op: their keys and values
-    written into their slabs, their rows attended, in segment order."""
-    slabs, writes, reads, masks = [], [], [], []
-    for start, n, cache, runs in segments:
-        claims = cache.claim(n, keys)
+def _attend_native(native, queries: mx.array, keys: mx.array, values: mx.array, segments: list[tuple]) -> mx.array:
+    """Every segment of a pass (`segments`: (start, n, cache, plan with mx
+    masks)) in one kvmux_native op: decode rows' keys written then read in
+    their slabs, a chunk's rows over its slab as it stands and its own
+    keys, its keys written after; the slabs in float16 (SLAB_DTYPE)."""
+    slabs, writes, reads, masks, chunks = [], [], [], [], []
+    for start, n, cache, plan in segments:
+        if cache.keys is not None and cache.keys.dtype != SLAB_DTYPE:  # a snapshot of MLX's path
+            cache.keys, cache.values = cache.keys.astype(SLAB_DTYPE), cache.values.astype(SLAB_DTYPE)
+        chunk = not isinstance(plan, list)
+        runs = [(0, n, plan.shape[1] - n, plan)] if chunk else plan  # a chunk's mask: the slab's columns, then its own
+        claims = cache.claim(n, keys, SLAB_DTYPE)
         slabs += [cache.keys, cache.values]
         writes.append([x for slot, done, run in claims for x in (slot, start + done, run)])
         read = []
@@ -139,7 +151,8 @@ def _attend_rows(native, queries: mx.array, keys: mx.array, values: mx.array, se
             if mask is not None:
                 masks.append(mask)
         reads.append(read)
-    out, *updated = native.attend_rows(queries, keys, values, slabs, writes, reads, masks)
+        chunks.append(chunk)
+    out, *updated = native.attend(queries, keys, values, slabs, writes, reads, masks, chunks)
     for (_, _, cache, _), k, v in zip(segments, updated[::2], updated[1::2], strict=True):
         cache.keys, cache.values = k, v
     return out
@@ -162,17 +175,13 @@ def _plan_chunk(
     return _Pending([_Block(scores, parts_v, mask, n, numpy, per_row=False)], (cache, keys, values))
 
 
-def _softmax(block: _Block, native=None) -> list[mx.array]:
-    """Probabilities per part, in kvmux_native (`native`: one op, masked
-    there), NumPy or MLX. Rows are independent: each is masked, maxed,
-    exponentiated and summed on its own."""
+def _softmax(block: _Block) -> list[mx.array]:
+    """Probabilities per part, in NumPy or MLX. Rows are independent: each
+    is masked, maxed, exponentiated and summed on its own."""
     edges = np.cumsum([b.shape[-1] for b in block.scores])[:-1].tolist()
-    if native is not None or not block.numpy:
+    if not block.numpy:
         s = mx.concatenate(block.scores, axis=-1) if len(block.scores) > 1 else block.scores[0]
-        if native is not None:  # a chunk's block (decode rows attend in attend_rows); row i is token i % rows
-            p = native.softmax_rows(s, block.mask)  # an mx array where native (forward.py's plan)
-        else:
-            p = mx.softmax(s if block.mask is None else _masked(block, s, mx.array(block.mask)), axis=-1, precise=True)
+        p = mx.softmax(s if block.mask is None else _masked(block, s, mx.array(block.mask)), axis=-1, precise=True)
         return mx.split(p, edges, axis=-1) if edges else [p]
     parts = [np.asarray(s) for s in block.scores]
     s = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0].copy()  # ours to write in place
@@ -207,20 +216,13 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
     attends over its own slab, which gets its new tokens; `plan` is
     `row_masks(...)` for decode rows, `additive_mask(...)` for a prefill
     chunk. `native`: the kvmux_native module where the model runs on it
-    (worker/cpu_kernel.py): every decode-row segment attends in one op,
-    a chunk's softmax is one op (their plans' masks as mx arrays:
-    `native_masks`, forward.py's plan)."""
+    (worker/cpu_kernel.py): every segment attends in one op (their plans'
+    masks as mx arrays: `native_masks`, forward.py's plan)."""
+    if native is not None:
+        return _attend_native(native, queries, keys, values, segments)
     total, n_heads = queries.shape[:2]
-    rows = [segment for segment in segments if isinstance(segment[3], list)] if native is not None else []
-    natively = _attend_rows(native, queries, keys, values, rows) if rows else None
-    if len(rows) == len(segments):
-        return natively
-    pending, at = [], 0
+    pending = []
     for start, n, cache, plan in segments:
-        if natively is not None and isinstance(plan, list):
-            pending.append(_Pending([], out=natively[:, at : at + n]))
-            at += n
-            continue
         part = (queries, keys, values)
         if (start, n) != (0, total):  # a shared pass: this segment's tokens
             part = (queries[start : start + n], keys[..., start : start + n, :], values[..., start : start + n, :])
@@ -228,15 +230,13 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
             pending.append(_plan_rows(*part, cache, plan))
         else:
             pending.append(_plan_chunk(*part, cache, plan))
-    numpy = [b.scores for p in pending for b in p.blocks if b.numpy and native is None]
+    numpy = [b.scores for p in pending for b in p.blocks if b.numpy]
     if numpy:
         mx.eval(numpy)
     outputs = []
     for p in pending:
-        if p.out is not None:
-            outputs.append(p.out)
         for block in p.blocks:
-            probs = _softmax(block, native)
+            probs = _softmax(block)
             out = probs[0] @ block.values[0]
             for w, v in zip(probs[1:], block.values[1:], strict=True):
                 out = out + w @ v

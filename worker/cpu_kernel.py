@@ -12,11 +12,12 @@ model's RMS norms and rotary embeddings become one op each too (MLX's CPU
 runs each as a graph of 6 and ~20 small ops, and a decode step's time
 there is as much the ops' count as their work).
 
-Decode rows' attention (worker/attention.py) becomes one op per layer too
-for an adopted model (`native_of`), for every session of a pass and
-their slabs' writes, and a llama-style layer's two halves around it one
-op each (`fused`: its norms, seven products, rope, swiglu
-and residual adds, ~30 ops of MLX's otherwise).
+Attention (worker/attention.py) becomes one op per layer too for an
+adopted model (`native_of`), for every session of a pass (decode rows and
+prefill chunks) and their slabs' writes, the slabs in float16, and a
+llama-style layer's two halves around it one op each (`fused`: its norms,
+seven products, rope, swiglu and residual adds, ~30 ops of MLX's
+otherwise).
 
 `select` says which kernel runs, or why none does (not built, built for
 another mlx, a GPU, `off`); the worker then falls back to MLX's own
@@ -67,9 +68,9 @@ class Kernel:
 @cache
 def select(choice: str = "auto") -> Kernel:
     """The kernel for `choice` (one of CHOICES), set up for this process:
-    its instruction set and threads; OpenBLAS then keeps one thread (it
-    only computes attention's small products, and its spinning threads
-    would take the cores the kernel's threads need)."""
+    its instruction set and threads; OpenBLAS then keeps one thread (the
+    kernel's ops compute a pass, attention included, and OpenBLAS's
+    spinning threads would take the cores the kernel's threads need)."""
     if choice not in CHOICES:
         raise ValueError(f"cpu_kernel must be one of {', '.join(CHOICES)}, not {choice!r}")
     if choice == "off":

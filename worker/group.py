@@ -168,7 +168,7 @@ class RemoteCache(SlabCache):
         self.slot_bytes = slot_bytes  # keys and values of one slot
         self.stored = 0
 
-    def _reserve(self, slots: int, like) -> None:
+    def _reserve(self, slots: int, like, dtype) -> None:
         if slots > self.stored:
             self.stored = min(self.max_size, self.stored + -(-(slots - self.stored) // self.step) * self.step)
 

@@ -31,7 +31,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from kvmux import logs, paths
 from kvmux.sessions.files import atomic_write
 
-from . import architectures, cpu_kernel, gguf_file, gguf_tokenizer
+from . import architectures, attention, cpu_kernel, forward, gguf_file, gguf_tokenizer
 from .layout import Layout, Part, layer_windows
 from .slab import SlabCache, copy_slab, make_slab
 
@@ -64,10 +64,11 @@ class LoadedModel:
     def kv_bytes_per_token(self) -> int:
         """Bytes one token adds to a session's cache while no layer's window
         is full, from the model config: keys + values of every layer, in the
-        weights' dtype."""
+        dtype its slabs hold (kvmux_native's float16, else the weights')."""
         args = self.model.args
         head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-        dtype = self.model.model.norm.weight.dtype
+        native = cpu_kernel.native_of(self.model) is not None and forward.supported(self.model)
+        dtype = attention.SLAB_DTYPE if native else self.model.model.norm.weight.dtype
         return 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * dtype.size
 
     @property

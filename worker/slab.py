@@ -83,14 +83,14 @@ class SlabCache(RotatingKVCache):
             self.keys[..., slot : slot + run, :] = keys[..., done : done + run, :]
             self.values[..., slot : slot + run, :] = values[..., done : done + run, :]
 
-    def claim(self, total: int, like: mx.array) -> list[tuple[int, int, int]]:
+    def claim(self, total: int, like: mx.array, dtype: mx.Dtype) -> list[tuple[int, int, int]]:
         """The runs (slot, first token, run) `total` new tokens like `like`
-        (1, kv heads, tokens, D) go to, the arrays grown for them and the
-        positions advanced past them: for a writer of its own
-        (kvmux_native's attend_rows), which gives the arrays back updated."""
-        return list(self._claim(total, like))
+        (1, kv heads, tokens, D) go to, the arrays grown for them (in
+        `dtype`) and the positions advanced past them: for a writer of its
+        own (kvmux_native's attend), which gives the arrays back updated."""
+        return list(self._claim(total, like, dtype))
 
-    def _claim(self, total: int, like: mx.array | None):
+    def _claim(self, total: int, like: mx.array, dtype: mx.Dtype | None = None):
         """The runs of slots `total` new tokens go to, as (slot, first token,
         run): each run's slots reserved before it is yielded, the positions
         advanced past it after."""
@@ -99,21 +99,23 @@ class SlabCache(RotatingKVCache):
             if self._idx == self.max_size:
                 self._idx = self.keep
             run = min(total - done, self.max_size - self._idx)
-            self._reserve(self._idx + run, like)
+            self._reserve(self._idx + run, like, dtype)
             yield self._idx, done, run
             self._idx += run
             self.offset += run
             done += run
 
-    def _reserve(self, slots: int, like: mx.array) -> None:
+    def _reserve(self, slots: int, like: mx.array, dtype: mx.Dtype | None) -> None:
         """Grow the arrays to hold `slots` slots, by whole `step`s (at most
-        to the slab's size): a token at a time would copy them every step."""
+        to the slab's size), in `dtype` (None: like's): a token at a time
+        would copy them every step."""
         stored = 0 if self.keys is None else self.keys.shape[2]
         if slots <= stored:
             return
         grown = min(self.max_size, stored + -(-(slots - stored) // self.step) * self.step)
         shape = (like.shape[0], like.shape[1], grown - stored, like.shape[3])
-        new_k, new_v = mx.zeros(shape, like.dtype), mx.zeros(shape, like.dtype)
+        dtype = dtype or like.dtype
+        new_k, new_v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:

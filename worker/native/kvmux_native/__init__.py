@@ -5,9 +5,8 @@
   bits fast, AVX-512 / AVX2 / scalar; src/kernels.h says how it sums);
 - `rms_norm` and `rope`: mx.fast's, as one op each (MLX's CPU backend runs
   them as graphs of small ops);
-- `attend_rows`: decode rows' attention at one layer for every session of
-  a pass, their slabs' writes included, one op;
-- `softmax_rows`: a prefill chunk's masked softmax, one op;
+- `attend`: attention at one layer for every session of a pass (decode
+  rows and prefill chunks), their slabs' float16 writes included, one op;
 - `attention_in` and `mlp`: a llama-style layer's halves around the slab
   (its norms, seven products, rope, swiglu, residual adds), one op each.
 
@@ -17,7 +16,7 @@ crash or refuse every call, so importing it then fails here instead."""
 import mlx.core as mx  # first: the extension's types are MLX's
 
 from ._ext import (
-    attend_rows,
+    attend,
     attention_in,
     built_with,
     isa,
@@ -28,7 +27,6 @@ from ._ext import (
     rope,
     set_isa,
     set_threads,
-    softmax_rows,
     threads,
 )
 
@@ -38,7 +36,7 @@ if built_with() != mx.__version__:
     )
 
 __all__ = [
-    "attend_rows",
+    "attend",
     "attention_in",
     "isa",
     "isas",
@@ -48,6 +46,5 @@ __all__ = [
     "rope",
     "set_isa",
     "set_threads",
-    "softmax_rows",
     "threads",
 ]

@@ -1,4 +1,5 @@
-// Attention of decode rows over a slab, the body of kernels.h's AttendFn:
+// Attention of rows over a slab's float16 keys and values, the body of
+// kernels.h's AttendFn, and the narrowing that stores them (NarrowFn):
 // written with GCC's vector extensions over 16 lanes, compiled by each
 // instruction set's file (after its #pragma GCC target, as block.h) into
 // that set's registers: `Wide` (one 16-lane vector) on AVX-512, `Halves`
@@ -23,12 +24,39 @@ struct Wide {
     return w;
   }
   void store(float* p) const { std::memcpy(p, &v, sizeof v); }
+  static Wide halves(const uint16_t* p) {  // 16 float16s, widened (exactly) by the file's V
+    float f[16];
+    V::halves16(p, f);
+    return load(f);
+  }
   static Wide splat(float f) { return {v16{} + f}; }
   Wide operator+(const Wide& o) const { return {v + o.v}; }
   Wide operator*(const Wide& o) const { return {v * o.v}; }
+  template <class W>
+  static Wide fma(const Wide& a, const Wide& b, const Wide& c) {
+    return {W::fma16(a.v, b.v, c.v)};
+  }
   v8 folded() const {  // lane l + lane l + 8
     return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  // sums16's steps (see there): lanes of a and b, added in pairs; each
+  // one instruction or two (vpermt2ps, vshufps) a side.
+  static Wide fold8(const Wide& a, const Wide& b) {
+    return {__builtin_shufflevector(a.v, b.v, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a.v, b.v, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)};
+  }
+  static Wide fold4(const Wide& a, const Wide& b) {
+    return {__builtin_shufflevector(a.v, b.v, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            __builtin_shufflevector(a.v, b.v, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31)};
+  }
+  static Wide fold2(const Wide& a, const Wide& b) {
+    return {__builtin_shufflevector(a.v, b.v, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+            __builtin_shufflevector(a.v, b.v, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)};
+  }
+  static Wide fold1(const Wide& a, const Wide& b) {
+    return {__builtin_shufflevector(a.v, b.v, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+            __builtin_shufflevector(a.v, b.v, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31)};
   }
 };
 
@@ -45,17 +73,54 @@ struct Halves {
     std::memcpy(p, &lo, sizeof lo);
     std::memcpy(p + 8, &hi, sizeof hi);
   }
+  static Halves halves(const uint16_t* p) {
+    float f[16];
+    V::halves16(p, f);
+    return load(f);
+  }
   static Halves splat(float f) { return {v8{} + f, v8{} + f}; }
   Halves operator+(const Halves& o) const { return {lo + o.lo, hi + o.hi}; }
   Halves operator*(const Halves& o) const { return {lo * o.lo, hi * o.hi}; }
+  template <class W>
+  static Halves fma(const Halves& a, const Halves& b, const Halves& c) {
+    return {W::fma8(a.lo, b.lo, c.lo), W::fma8(a.hi, b.hi, c.hi)};
+  }
   v8 folded() const { return lo + hi; }
+  // Wide's folds, on each half of 8 lanes (the first: a's halves, b's):
+  // vperm2f128 and vshufps on AVX2.
+  static Halves fold8(const Halves& a, const Halves& b) { return {a.lo + a.hi, b.lo + b.hi}; }
+  static Halves fold4(const Halves& a, const Halves& b) { return {f4(a.lo, b.lo), f4(a.hi, b.hi)}; }
+  static Halves fold2(const Halves& a, const Halves& b) { return {f2(a.lo, b.lo), f2(a.hi, b.hi)}; }
+  static Halves fold1(const Halves& a, const Halves& b) { return {f1(a.lo, b.lo), f1(a.hi, b.hi)}; }
+  static v8 f4(v8 x, v8 y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  static v8 f2(v8 x, v8 y) {
+    return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  static v8 f1(v8 x, v8 y) {
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+  }
 };
 
-// The first n < 16 floats of p, the rest 0.
+// a * b + c in each lane, one rounding (the file's V::fma16 or fma8: the
+// same bits on every instruction set).
+template <class L>
+inline L fma(const L& a, const L& b, const L& c) {
+  return L::template fma<V>(a, b, c);
+}
+
+// The first n < 16 floats of p (float16s of h), the rest 0.
 template <class L>
 inline L load_tail(const float* p, int n) {
   float lanes[16] = {};
   std::memcpy(lanes, p, sizeof(float) * n);
+  return L::load(lanes);
+}
+template <class L>
+inline L load_tail(const uint16_t* h, int n) {
+  float lanes[16] = {};
+  for (int i = 0; i < n; ++i) lanes[i] = V::half(h[i]);
   return L::load(lanes);
 }
 
@@ -68,17 +133,162 @@ inline float tree16(const L& lanes) {
   return s2[0] + s2[1];
 }
 
-// Σ a[i] * b[i] over D in 16 lanes (lane l takes i = 16c + l, the tail's
+// Σ a[i] * b[i] over D (b: float16s) in 16 lanes (lane l takes i = 16c + l, the tail's
 // lanes past D adding 0), then the lanes' tree. DC: D / 16 where known
 // here (then D is a multiple of 16), else 0.
 template <class L, int DC>
-inline float dot16(const float* a, const float* b, int D) {
+inline float dot16(const float* a, const uint16_t* b, int D) {
   L lanes = L::splat(0.0f);
   const int whole = DC ? DC * 16 : D / 16 * 16;
 #pragma GCC unroll 16
-  for (int i = 0; i < whole; i += 16) lanes = lanes + L::load(a + i) * L::load(b + i);
+  for (int i = 0; i < whole; i += 16) lanes = lanes + L::load(a + i) * L::halves(b + i);
   if (!DC && whole < D) lanes = lanes + load_tail<L>(a + whole, D - whole) * load_tail<L>(b + whole, D - whole);
   return tree16(lanes);
+}
+
+// The lanes of 16 vectors summed in tree16's order, 16 sums in one
+// vector: x(i) gives the lanes of sum SUM_OF[i], and each fold adds
+// lanes l and l + 8 (then + 4, + 2, + 1) of two vectors at once, so a
+// score costs no horizontal sum of its own. Built up as it goes (x(i)
+// called once per i, in order): few vectors live at once.
+constexpr int SUM_OF[16] = {0, 8, 4, 12, 1, 9, 5, 13, 2, 10, 6, 14, 3, 11, 7, 15};  // the folds' lane order
+
+template <class L, class F>
+inline L sums16(F x) {
+  L w[2];
+  for (int h = 0; h < 2; ++h) {
+    L z[2];
+    for (int k = 0; k < 2; ++k) {
+      const int i = 8 * h + 4 * k;
+      const L y0 = L::fold8(x(i), x(i + 1));
+      const L y1 = L::fold8(x(i + 2), x(i + 3));
+      z[k] = L::fold4(y0, y1);
+    }
+    w[h] = L::fold2(z[0], z[1]);
+  }
+  return L::fold1(w[0], w[1]);
+}
+
+// Slots read from memory while the slots before them are computed: the
+// hardware's own prefetch left a row's pass over a full slab waiting on
+// memory for more than half its time. PREFETCH_SLOTS ahead of slot j, 16
+// slots' lines at a time.
+constexpr int PREFETCH_SLOTS = 32;
+
+inline void ahead(const uint16_t* slots, int j, int n, int D) {
+  const int from = j + PREFETCH_SLOTS, to = from + 16 < n ? from + 16 : n;
+  const char* p = reinterpret_cast<const char*>(slots + size_t(from) * D);
+  const char* end = reinterpret_cast<const char*>(slots + size_t(to) * D);
+  for (; p < end; p += 64) __builtin_prefetch(p);
+}
+
+// N vectors folded as one (sums16 over N queries at once).
+template <class L, int N>
+struct Many {
+  L x[N];
+  static Many fold8(const Many& a, const Many& b) { return apply(a, b, [](const L& u, const L& v) { return L::fold8(u, v); }); }
+  static Many fold4(const Many& a, const Many& b) { return apply(a, b, [](const L& u, const L& v) { return L::fold4(u, v); }); }
+  static Many fold2(const Many& a, const Many& b) { return apply(a, b, [](const L& u, const L& v) { return L::fold2(u, v); }); }
+  static Many fold1(const Many& a, const Many& b) { return apply(a, b, [](const L& u, const L& v) { return L::fold1(u, v); }); }
+  template <class F>
+  static Many apply(const Many& a, const Many& b, F f) {
+    Many r;
+    for (int i = 0; i < N; ++i) r.x[i] = f(a.x[i], b.x[i]);
+    return r;
+  }
+};
+
+// How many query heads a pass over a part's keys (and then its values)
+// serves at once: each key and value is widened once for them all where
+// the registers hold their sums (AVX-512's 32 at head size 64). Each
+// query's arithmetic is the same however many share a pass.
+template <class L, int DC>
+constexpr int batch_of() {
+  return sizeof(L) == 64 && DC <= 4 ? 3 : 1;
+}
+
+// The scores of N query heads (q: N x DC chunks of 16) against the keys
+// of slots [0, n), into s[b * stride + j] (masked: -inf), 16 slots at a
+// time: per slot, lane l of each chunk's products (fused) summed over
+// the chunks, then the lanes by sums16.
+template <class L, int DC, int N>
+void score_slots(const L (*q)[DC], const uint16_t* keys, const float* mask, int n, float* s, size_t stride) {
+  for (int j = 0; j < n; j += 16) {
+    ahead(keys, j, n, DC * 16);
+    const Many<L, N> sums = sums16<Many<L, N>>([&](int i) {
+      Many<L, N> r;
+      const int slot = j + SUM_OF[i];
+      if (slot >= n) {
+        for (int b = 0; b < N; ++b) r.x[b] = L::splat(0.0f);
+        return r;
+      }
+      const uint16_t* k = keys + size_t(slot) * DC * 16;
+      L kc[DC];
+      for (int c = 0; c < DC; ++c) kc[c] = L::halves(k + 16 * c);
+      for (int b = 0; b < N; ++b) {
+        r.x[b] = q[b][0] * kc[0];
+#pragma GCC unroll 16
+        for (int c = 1; c < DC; ++c) r.x[b] = fma(q[b][c], kc[c], r.x[b]);
+      }
+      return r;
+    });
+    const int m = n - j < 16 ? n - j : 16;
+    for (int b = 0; b < N; ++b) {
+      float lanes[16];
+      sums.x[b].store(lanes);
+      float* sj = s + size_t(b) * stride + j;
+      if (!mask) {
+        std::memcpy(sj, lanes, sizeof(float) * m);
+        continue;
+      }
+      const float* mj = mask + j;
+      for (int l = 0; l < m; ++l) sj[l] = mj[l] == -__builtin_inff() ? mj[l] : lanes[l] + mj[l];
+    }
+  }
+}
+
+// Chains each query's weighted sum of values runs in (even and odd
+// slots, added at the end, where the registers hold both).
+template <int DC>
+constexpr int chains_of() {
+  return DC <= 4 ? 2 : 1;
+}
+
+// Σ_j w[b * stride + j] * values[j] over slots [0, n) for N query heads,
+// into o[b * (D + 2) ...]: each value widened once for them all; slot j
+// goes to chain j % chains, the chains added in order at the end.
+template <class L, int DC, int N>
+void weigh_values(const float* w, size_t stride, const uint16_t* values, int n, float* o) {
+  constexpr int C = chains_of<DC>();
+  L acc[N][C][DC];
+  for (int b = 0; b < N; ++b)
+    for (int e = 0; e < C; ++e)
+      for (int c = 0; c < DC; ++c) acc[b][e][c] = L::splat(0.0f);
+  auto add = [&](int j, L (*chain)[DC]) {  // slot j into chain (per query head)
+    const uint16_t* v = values + size_t(j) * DC * 16;
+    L vc[DC];
+#pragma GCC unroll 16
+    for (int c = 0; c < DC; ++c) vc[c] = L::halves(v + 16 * c);
+#pragma GCC unroll 4
+    for (int b = 0; b < N; ++b) {
+      const L p = L::splat(w[size_t(b) * stride + j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < DC; ++c) chain[b * C][c] = fma(p, vc[c], chain[b * C][c]);
+    }
+  };
+  int j = 0;
+  for (; j + C <= n; j += C) {
+    if (j % 16 == 0) ahead(values, j, n, DC * 16);
+    add(j, &acc[0][0]);
+    if constexpr (C == 2) add(j + 1, &acc[0][1]);
+  }
+  if (j < n) add(j, &acc[0][0]);  // the last slot of an odd count: chain 0, as it would go
+  for (int b = 0; b < N; ++b)
+    for (int c = 0; c < DC; ++c) {
+      L sum = acc[b][0][c];
+      for (int e = 1; e < C; ++e) sum = sum + acc[b][e][c];
+      sum.store(o + size_t(b) * (DC * 16 + 2) + 16 * c);
+    }
 }
 
 #include "expf.h"
@@ -97,21 +307,20 @@ float weigh(float* s, int n, float& top) {
   for (int j = whole; j < n; ++j) tops[j - whole] = s[j] > tops[j - whole] ? s[j] : tops[j - whole];
   top = tops[0];
   for (int l = 1; l < 16; ++l) top = tops[l] > top ? tops[l] : top;
+  L sum = L::splat(0.0f);
   for (int j = 0; j < whole; j += 16) {
     float p[16];
-    for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(s[j + l] - top);
-    for (int l = 0; l < 16; ++l) {
-      p[l] = s[j + l] == -__builtin_inff() ? 0.0f : p[l];
-      s[j + l] = p[l];
-      lanes[l] += p[l];
-    }
+    for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(s[j + l] - top);  // -inf: 0
+    const L w = L::load(p);  // in registers: the compiler kept a lanes array in memory, a lane at a time
+    w.store(s + j);
+    sum = sum + w;
   }
   for (int j = whole; j < n; ++j) {
-    const float p = s[j] == -__builtin_inff() ? 0.0f : exp_nonpositive(s[j] - top);
+    const float p = exp_nonpositive(s[j] - top);
     s[j] = p;
-    lanes[j - whole] += p;
+    lanes[j - whole] = p;
   }
-  return tree16(L::load(lanes));
+  return tree16(sum + L::load(lanes));
 }
 
 // One row against one KV head over slots [j0, j1): the query heads that
@@ -128,45 +337,65 @@ template <class L, int DC>
 void attend_part_of(const kvmux_native::Attention& a, int row, int kv, int j0, int j1, float* scores, float* part) {
   const int D = DC ? DC * 16 : a.D, G = a.heads / a.kv_heads;
   const float* q = a.q + (size_t(row) * a.heads + size_t(kv) * G) * D;
-  const float* keys = a.keys + size_t(kv) * a.kv_stride;
-  const float* values = a.values + size_t(kv) * a.kv_stride;
+  const uint16_t* keys = a.keys + size_t(kv) * a.kv_stride;
+  const uint16_t* values = a.values + size_t(kv) * a.kv_stride;
   const float* mask = a.mask ? a.mask + size_t(row) * a.mask_stride : nullptr;
   // Masked slots past the last seen one add nothing to any sum: stop there.
   while (mask && j1 > j0 && mask[j1 - 1] == -__builtin_inff()) --j1;
   const int n = j1 - j0;
-  for (int j = 0; j < n; ++j) {
-    const float* k = keys + size_t(j0 + j) * D;
-    const float m = mask ? mask[j0 + j] : 0.0f;
-    if (m == -__builtin_inff()) {
-      for (int g = 0; g < G; ++g) scores[size_t(g) * n + j] = m;
-      continue;
+  if constexpr (DC > 0) {  // 16 slots' scores at a time, batch_of query heads at once
+    constexpr int B = batch_of<L, DC>();
+    for (int g = 0; g < G;) {
+      L qc[B][DC];
+      const int b = G - g >= B ? B : 1;
+      for (int i = 0; i < b; ++i)
+        for (int c = 0; c < DC; ++c) qc[i][c] = L::load(q + size_t(g + i) * D + 16 * c);
+      const uint16_t* k = keys + size_t(j0) * D;
+      const float* m = mask ? mask + j0 : nullptr;
+      if (b == B)
+        score_slots<L, DC, B>(qc, k, m, n, scores + size_t(g) * n, n);
+      else
+        score_slots<L, DC, 1>(qc, k, m, n, scores + size_t(g) * n, n);
+      g += b;
     }
-    for (int g = 0; g < G; ++g) scores[size_t(g) * n + j] = dot16<L, DC>(q + size_t(g) * D, k, D) + m;
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const uint16_t* k = keys + size_t(j0 + j) * D;
+      const float m = mask ? mask[j0 + j] : 0.0f;
+      if (m == -__builtin_inff()) {
+        for (int g = 0; g < G; ++g) scores[size_t(g) * n + j] = m;
+        continue;
+      }
+      for (int g = 0; g < G; ++g) scores[size_t(g) * n + j] = dot16<L, DC>(q + size_t(g) * D, k, D) + m;
+    }
   }
   // Per query head: the weights (weigh), then the weighted sum of values,
   // slot by slot.
   for (int g = 0; g < G; ++g) {
-    float* s = scores + size_t(g) * n;
     float* o = part + size_t(g) * (D + 2);
-    o[D + 1] = weigh<L>(s, n, o[D]);
-    if constexpr (DC > 0) {  // the sums in registers
-      L acc[DC];
-      for (int c = 0; c < DC; ++c) acc[c] = L::splat(0.0f);
-      for (int j = 0; j < n; ++j) {
-        if (s[j] == 0.0f) continue;
-        const L p = L::splat(s[j]);
-        const float* v = values + size_t(j0 + j) * D;
-#pragma GCC unroll 16
-        for (int c = 0; c < DC; ++c) acc[c] = acc[c] + p * L::load(v + 16 * c);
-      }
-      for (int c = 0; c < DC; ++c) acc[c].store(o + 16 * c);
-    } else {
+    o[D + 1] = weigh<L>(scores + size_t(g) * n, n, o[D]);
+  }
+  if constexpr (DC > 0) {  // the sums in registers, batch_of query heads at once
+    constexpr int B = batch_of<L, DC>();
+    for (int g = 0; g < G;) {
+      const int b = G - g >= B ? B : 1;
+      const uint16_t* v = values + size_t(j0) * D;
+      if (b == B)
+        weigh_values<L, DC, B>(scores + size_t(g) * n, n, v, n, part + size_t(g) * (D + 2));
+      else
+        weigh_values<L, DC, 1>(scores + size_t(g) * n, n, v, n, part + size_t(g) * (D + 2));
+      g += b;
+    }
+  } else {
+    for (int g = 0; g < G; ++g) {
+      const float* s = scores + size_t(g) * n;
+      float* o = part + size_t(g) * (D + 2);
       for (int d = 0; d < D; ++d) o[d] = 0.0f;
       for (int j = 0; j < n; ++j) {
         const float p = s[j];
         if (p == 0.0f) continue;
-        const float* v = values + size_t(j0 + j) * D;
-        for (int d = 0; d < D; ++d) o[d] += p * v[d];
+        const uint16_t* v = values + size_t(j0 + j) * D;
+        for (int d = 0; d < D; ++d) o[d] += p * V::half(v[d]);
       }
     }
   }
@@ -186,14 +415,11 @@ void attend_part(const kvmux_native::Attention& a, int row, int kv, int j0, int 
   }
 }
 
-// kvmux_native.softmax_rows' arithmetic on one row of n scores plus its
-// mask row (or none): the body of kernels.h's SoftmaxFn.
-template <class L>
-void softmax_row(const float* s, const float* mask, int n, float* out) {
-  for (int j = 0; j < n; ++j) out[j] = mask ? s[j] + mask[j] : s[j];
-  float top;
-  const float inv = 1.0f / weigh<L>(out, n, top);
-  for (int j = 0; j < n; ++j) out[j] *= inv;
+// n floats to float16 bits: 16 at a time by the file's V, the rest one by one.
+inline void narrow(const float* x, size_t n, uint16_t* out) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) V::narrow16(x + i, out + i);
+  for (; i < n; ++i) out[i] = float_to_half(x[i]);
 }
 
 }  // namespace

@@ -41,12 +41,10 @@ NB_MODULE(_ext, m) {
         "mx.fast.rms_norm as one CPU op (MLX's CPU runs it as six).");
   m.def("rope", &kvmux_native::rope, "x"_a, "offset"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
         "freqs"_a = nb::none(), "mx.fast.rope (forward) as one CPU op (MLX's CPU runs it as ~20).");
-  m.def("attend_rows", &kvmux_native::attend_rows, "q"_a, "keys"_a, "values"_a, "slabs"_a, "writes"_a, "reads"_a,
-        "masks"_a, "Decode rows' attention at one layer for every session of a pass, their slabs' writes "
-        "included, as one CPU op (see fused.h): the attended rows, then each slab's keys and values.");
-  m.def("softmax_rows", &kvmux_native::softmax_rows, "scores"_a, "mask"_a = nb::none(),
-        "A precise softmax over the last axis with an additive (M, S) mask, row r taking mask row r % M, as one "
-        "CPU op (see fused.h).");
+  m.def("attend", &kvmux_native::attend, "q"_a, "keys"_a, "values"_a, "slabs"_a, "writes"_a, "reads"_a, "masks"_a,
+        "chunks"_a, "Attention at one layer for every session of a pass (decode rows and prefill chunks), their "
+        "slabs' float16 writes included, as one CPU op (see fused.h): the attended rows, then each slab's keys and "
+        "values.");
   m.def("built_with", [] { return std::string(KVMUX_MLX_VERSION); }, "The mlx release this module was built against.");
   m.def("isa", &kvmux_native::isa, "The instruction set the kernel runs: avx512, avx2 or scalar.");
   m.def("isas", &kvmux_native::isas, "Every instruction set this CPU runs the kernel in, best first.");

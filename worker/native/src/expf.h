@@ -3,9 +3,12 @@
 
 // exp(x) for x <= 0 (scores less their maximum), Cephes' expf: within 2
 // ulp, in operations a vector unit has (no libm call, so the loop
-// vectorises).
+// vectorises); exactly 0 below -87 (e^-87 ~ 1.6e-38: nothing beside
+// any weight of a softmax, whose largest is 1), so a masked score (-inf)
+// weighs exactly nothing.
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
+  const bool nothing = x < -87.0f;
+  x = nothing ? -87.0f : x;
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -15,5 +18,5 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = (p * r) * r + r + 1.0f;
-  return y * __builtin_bit_cast(float, (int(n) + 127) << 23);
+  return nothing ? 0.0f : y * __builtin_bit_cast(float, (int(n) + 127) << 23);
 }

@@ -58,41 +58,6 @@ void combine(const float* parts, int count, int G, int D, float* out) {
 
 }  // namespace
 
-mx::array softmax_rows(const mx::array& scores, const std::optional<mx::array>& mask) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.softmax_rows] " + what); };
-  if (scores.ndim() < 2 || scores.dtype() != mx::float32) fail("scores must be float32 with at least 2 dimensions");
-  if (mask && (mask->ndim() != 2 || mask->shape(1) != scores.shape(-1) || scores.shape(-2) % mask->shape(0)))
-    fail("mask must be (M, scores' last dimension) with M dividing the scores' rows");
-  auto s = cpu_stream();
-  std::vector<mx::array> inputs{scores};
-  if (mask) inputs.push_back(as_float32(*mask, s));
-  return mx::array(scores.shape(), mx::float32, std::make_shared<SoftmaxRows>(s), inputs);
-}
-
-void SoftmaxRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  encoder.dispatch([inputs, o = out.data<float>()]() {
-    thread_local std::vector<float> ss, ms;
-    const auto& scores = inputs[0];
-    const int n = scores.shape(-1);
-    const float* sv = contiguous_rows(scores, ss);
-    const float* mv = inputs.size() > 1 ? contiguous_rows(inputs[1], ms) : nullptr;
-    const int mask_rows = inputs.size() > 1 ? inputs[1].shape(0) : 1;
-    const int rows = int(scores.size() / n);
-    const SoftmaxFn softmax_row = attention_kernels().softmax;
-    parallel_for(rows, [&](int r) {
-      softmax_row(sv + size_t(r) * n, mv ? mv + size_t(r % mask_rows) * n : nullptr, n, o + size_t(r) * n);
-    });
-  });
-}
-
-void SoftmaxRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("[kvmux_native.softmax_rows] runs on the CPU only");
-}
-
 void rms_rows(const float* x, const float* w, float eps, size_t rows, int D, float* out) {
   for (size_t r = 0; r < rows; ++r) {
     const float* row = x + r * D;
@@ -215,23 +180,24 @@ bool RoPE::is_equivalent(const mx::Primitive& other) const {
   return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
 }
 
-std::vector<mx::array> attend_rows(
+std::vector<mx::array> attend(
     const mx::array& q,
     const mx::array& keys,
     const mx::array& values,
     const std::vector<mx::array>& slabs,
     const std::vector<std::vector<int>>& writes,
     const std::vector<std::vector<int>>& reads,
-    const std::vector<mx::array>& masks) {
-  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.attend_rows] " + what); };
+    const std::vector<mx::array>& masks,
+    const std::vector<bool>& chunks) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.attend] " + what); };
   if (q.ndim() != 3 && !(q.ndim() == 4 && q.shape(2) == 1)) fail("q must be (rows, heads, D) or (rows, heads, 1, D)");
   const int T = q.shape(0), heads = q.shape(1), D = q.shape(-1);
   if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape(2) != T || keys.shape(3) != D || keys.shape() != values.shape())
     fail("keys and values must be (1, kv heads, q's rows, D) alike");
   const int kv = keys.shape(1);
   if (kv < 1 || heads % kv) fail("heads must be a multiple of the kv heads");
-  if (slabs.size() != 2 * writes.size() || reads.size() != writes.size())
-    fail("each session needs its slab's keys and values, its writes and its reads");
+  if (slabs.size() != 2 * writes.size() || reads.size() != writes.size() || chunks.size() != writes.size())
+    fail("each session needs its slab's keys and values, its writes, its reads and whether it is a chunk");
   int rows = 0;
   for (size_t i = 0; i < writes.size(); ++i) {
     const auto& k = slabs[2 * i];
@@ -248,8 +214,11 @@ std::vector<mx::array> attend_rows(
     for (size_t r = 0; r < reads[i].size(); r += 4) {
       const int first = reads[i][r], last = reads[i][r + 1], length = reads[i][r + 2], m = reads[i][r + 3];
       if (first < 0 || last <= first || last > T) fail("a read's rows must be within the pass's");
-      if (length < 1 || length > slots) fail("length must be within the slab's slots");
+      if (length < (chunks[i] ? 0 : 1) || length > slots) fail("length must be within the slab's slots");
       if (m >= int(masks.size())) fail("a read's mask index is out of range");
+      if (chunks[i] && (m < 0 || masks[m].ndim() != 2 || masks[m].shape(0) != last - first ||
+                        masks[m].shape(1) != length + last - first))
+        fail("a chunk's read needs a mask of (its rows, length + its rows)");
       if (m >= 0 && (masks[m].ndim() != 2 || masks[m].shape(0) != last - first || masks[m].shape(1) < length))
         fail("a mask must be (the read's rows, at least length)");
       rows += last - first;
@@ -258,20 +227,44 @@ std::vector<mx::array> attend_rows(
   for (const auto* a : {&q, &keys, &values})
     if (a->dtype() != mx::float32) fail("q, keys and values must be float32");
   for (const auto& a : slabs)
-    if (a.dtype() != mx::float32) fail("slabs must be float32");
+    if (a.dtype() != mx::float16) fail("slabs must be float16");
   auto s = cpu_stream();
   std::vector<mx::array> inputs{q, keys, values};
   std::vector<mx::Shape> shapes{{1, rows, heads * D}};
+  std::vector<mx::Dtype> dtypes{mx::float32};
   for (const auto& a : slabs) {
     inputs.push_back(a);
     shapes.push_back(a.shape());
+    dtypes.push_back(mx::float16);
   }
   for (const auto& m : masks) inputs.push_back(as_float32(m, s));
-  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(1 + slabs.size(), mx::float32),
-                                std::make_shared<AttendRows>(s, writes, reads), inputs);
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes), std::make_shared<Attend>(s, writes, reads, chunks),
+                                inputs);
 }
 
-void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+namespace {
+
+// A run of rows reading one session's slab: a source, or two for a chunk
+// (the slab as it stands, then the chunk's own keys and values).
+struct Run {
+  Attention slab, own;
+  int slab_parts = 0, own_parts = 0;
+  int parts() const { return slab_parts + own_parts; }
+};
+
+int parts_of(int slots) { return (slots + PART_SLOTS - 1) / PART_SLOTS; }
+
+// The pass's new keys (part 0) or values (part 1) of `rows` rows from
+// `row` into a slab's slots from `slot` (float16s, kv heads of `slots`).
+void write_rows(uint16_t* slab, const uint16_t* narrowed, int kv, int slots, int T, int D, int slot, int row, int rows) {
+  for (int h = 0; h < kv; ++h)
+    std::memcpy(slab + (size_t(h) * slots + slot) * D, narrowed + (size_t(h) * T + row) * D,
+                sizeof(uint16_t) * rows * D);
+}
+
+}  // namespace
+
+void Attend::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const size_t sessions = writes_.size();
   outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
   // A slab's buffer is updated in place where this op holds the only
@@ -296,36 +289,45 @@ void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   for (auto& a : outputs) encoder.set_output_array(a);
-  std::vector<float*> slab_data;
-  for (size_t i = 0; i < 2 * sessions; ++i) slab_data.push_back(outputs[1 + i].data<float>());
-  encoder.dispatch([inputs, o = outputs[0].data<float>(), slab_data, copied, writes = writes_, reads = reads_]() {
-    thread_local std::vector<float> qs, ks, vs, copy;
+  std::vector<uint16_t*> slab_data;
+  for (size_t i = 0; i < 2 * sessions; ++i) slab_data.push_back(outputs[1 + i].data<uint16_t>());
+  encoder.dispatch([inputs, o = outputs[0].data<float>(), slab_data, copied, writes = writes_, reads = reads_,
+                    chunks = chunks_]() {
+    thread_local std::vector<float> qs, ks, vs;
+    thread_local std::vector<uint16_t> copy, narrowed[2];
     const auto& q = inputs[0];
     const auto& keys = inputs[1];
     const int heads = q.shape(1), D = q.shape(-1), kv = keys.shape(1), T = keys.shape(2);
+    const AttentionKernels kernels = attention_kernels();
     const float* qv = contiguous_rows(q, qs);
     const float* new_kv[2] = {contiguous_rows(keys, ks), contiguous_rows(inputs[2], vs)};
+    for (int part = 0; part < 2; ++part) {  // as the slab stores them, and a chunk reads its own
+      narrowed[part].resize(size_t(kv) * T * D);
+      kernels.narrow(new_kv[part], narrowed[part].size(), narrowed[part].data());
+    }
     std::vector<std::vector<float>> mask_copies(inputs.size() - 3 - 2 * writes.size());
-    std::vector<Attention> runs;
+    std::vector<Run> runs;
+    std::vector<float*> run_out;
     int out_row = 0;
     for (size_t i = 0; i < writes.size(); ++i) {
       const int slots = inputs[3 + 2 * i].shape(2);
       for (int part = 0; part < 2; ++part) {
-        float* slab = slab_data[2 * i + part];
-        if (copied[2 * i + part]) {
-          const auto& in = inputs[3 + 2 * i + part];
-          std::memcpy(slab, contiguous_rows(in, copy), in.nbytes());
-        }
-        for (size_t w = 0; w < writes[i].size(); w += 3) {
-          const int slot = writes[i][w], row = writes[i][w + 1], count = writes[i][w + 2];
-          for (int h = 0; h < kv; ++h)
-            std::memcpy(slab + (size_t(h) * slots + slot) * D, new_kv[part] + (size_t(h) * T + row) * D,
-                        sizeof(float) * count * D);
-        }
+        if (!copied[2 * i + part]) continue;
+        const auto& in = inputs[3 + 2 * i + part];
+        std::memcpy(slab_data[2 * i + part], contiguous_rows(in, copy), in.nbytes());
       }
+      // Decode rows write first and read their own keys in the slab; a
+      // chunk reads first (its later slots may be ones its first rows
+      // still see) and writes after every read (below).
+      if (!chunks[i])
+        for (size_t w = 0; w < writes[i].size(); w += 3)
+          for (int part = 0; part < 2; ++part)
+            write_rows(slab_data[2 * i + part], narrowed[part].data(), kv, slots, T, D, writes[i][w],
+                       writes[i][w + 1], writes[i][w + 2]);
       for (size_t r = 0; r < reads[i].size(); r += 4) {
         const int first = reads[i][r], last = reads[i][r + 1], m = reads[i][r + 3];
-        Attention a{};
+        Run run{};
+        Attention& a = run.slab;
         a.q = qv + size_t(first) * heads * D;
         a.keys = slab_data[2 * i];
         a.values = slab_data[2 * i + 1];
@@ -341,44 +343,65 @@ void AttendRows::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
         a.kv_heads = kv;
         a.length = reads[i][r + 2];
         a.kv_stride = size_t(slots) * D;
-        runs.push_back(a);
+        run.slab_parts = parts_of(a.length);
+        if (chunks[i]) {  // the chunk's own keys and values: the mask's columns after the slab's
+          run.own = a;
+          run.own.keys = narrowed[0].data() + size_t(first) * D;
+          run.own.values = narrowed[1].data() + size_t(first) * D;
+          run.own.mask = a.mask + a.length;
+          run.own.length = a.rows;
+          run.own.kv_stride = size_t(T) * D;
+          run.own_parts = parts_of(a.rows);
+        }
+        runs.push_back(run);
         out_row += a.rows;
       }
     }
     // Items by run, KV head, row, then part: a thread's next item mostly
     // reads the same keys and values, still in its cache.
-    std::vector<int> parts_of(runs.size()), first_part(runs.size() + 1);
+    std::vector<int> first_part(runs.size() + 1);
     int most = 0;
     for (size_t r = 0; r < runs.size(); ++r) {
-      parts_of[r] = (runs[r].length + PART_SLOTS - 1) / PART_SLOTS;
-      first_part[r + 1] = first_part[r] + runs[r].rows * kv * parts_of[r];
-      most = std::max(most, (heads / kv) * std::min(runs[r].length, PART_SLOTS));
+      first_part[r + 1] = first_part[r] + runs[r].slab.rows * kv * runs[r].parts();
+      most = std::max(most, (heads / kv) * std::min(std::max(runs[r].slab.length, runs[r].own.length), PART_SLOTS));
     }
     const int G = heads / kv;
     thread_local std::vector<float> partial_buffer;  // this (the stream's) thread's: the pool writes through `partials`
     partial_buffer.resize(size_t(first_part.back()) * G * (D + 2));
     float* partials = partial_buffer.data();
-    const AttendFn one = attention_kernels().attend;
     parallel_for(first_part.back(), [&](int item) {
       thread_local std::vector<float> scores;
       if (scores.size() < size_t(most)) scores.resize(most);
       const size_t r = std::upper_bound(first_part.begin(), first_part.end(), item) - first_part.begin() - 1;
-      const Attention& a = runs[r];
-      const int local = item - first_part[r], part = local % parts_of[r], pair = local / parts_of[r];
+      const Run& run = runs[r];
+      const int local = item - first_part[r], pair = local / run.parts(), rows = run.slab.rows;
+      int part = local % run.parts();
+      const Attention& a = part < run.slab_parts ? run.slab : run.own;
+      if (part >= run.slab_parts) part -= run.slab_parts;
       const int j0 = part * PART_SLOTS, j1 = std::min(a.length, j0 + PART_SLOTS);
-      one(a, pair % a.rows, pair / a.rows, j0, j1, scores.data(), partials + size_t(item) * G * (D + 2));
+      kernels.attend(a, pair % rows, pair / rows, j0, j1, scores.data(), partials + size_t(item) * G * (D + 2));
     });
-    for (size_t r = 0; r < runs.size(); ++r)
-      for (int pair = 0; pair < runs[r].rows * kv; ++pair) {
-        const int row = pair % runs[r].rows, head = pair / runs[r].rows;
-        combine(partials + (size_t(first_part[r]) + size_t(pair) * parts_of[r]) * G * (D + 2), parts_of[r], G,
-                D, runs[r].out + (size_t(row) * heads + size_t(head) * G) * D);
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const Attention& a = runs[r].slab;
+      for (int pair = 0; pair < a.rows * kv; ++pair) {
+        const int row = pair % a.rows, head = pair / a.rows;
+        combine(partials + (size_t(first_part[r]) + size_t(pair) * runs[r].parts()) * G * (D + 2), runs[r].parts(),
+                G, D, a.out + (size_t(row) * heads + size_t(head) * G) * D);
       }
+    }
+    for (size_t i = 0; i < writes.size(); ++i) {
+      if (!chunks[i]) continue;
+      const int slots = inputs[3 + 2 * i].shape(2);
+      for (size_t w = 0; w < writes[i].size(); w += 3)
+        for (int part = 0; part < 2; ++part)
+          write_rows(slab_data[2 * i + part], narrowed[part].data(), kv, slots, T, D, writes[i][w], writes[i][w + 1],
+                     writes[i][w + 2]);
+    }
   });
 }
 
-void AttendRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("[kvmux_native.attend_rows] runs on the CPU only");
+void Attend::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[kvmux_native.attend] runs on the CPU only");
 }
 
 }  // namespace kvmux_native

@@ -54,63 +54,55 @@ mx::array rope(
     float scale,
     const std::optional<mx::array>& freqs);
 
-// Decode rows' attention at one layer for every session of a pass, one
-// op: each session's new keys and values written into its slab, then each
-// of its rows attending over its slab. q (T, heads, 1, D) or (T, heads,
-// D): the pass's queries, scaled and rotated; keys and values (1, kv
-// heads, T, D): the pass's new ones. Per session: `slabs` holds its
-// slab's keys then values (1, kv heads, slots, D); `writes` its (slot,
-// pass row, count) runs (rows into consecutive slots); `reads` its runs of
-// rows (first pass row, last + 1, slots read [0, length), index into
-// `masks` or -1: an additive (rows of the run, >= length) mask, or none).
-// Returns the attended rows (1, R, heads * D), R the rows of every read
-// in order, then each slab's keys and values after the writes: the
-// slab's own buffers updated in place where nothing else holds them
-// (MLX's slice_update rule), else copies. Per row and head: the scores,
-// a precise softmax (max subtracted) and the weighted sum of values over
-// parts of kernels.h's PART_SLOTS slots (fixed by the slots it reads),
-// combined in order: a fixed order per query, so a row's output is the
-// same in any pass.
-std::vector<mx::array> attend_rows(
+// Attention at one layer for every session of a pass, one op: decode
+// rows (a step's token, a verify pass's) and prefill chunks alike. q (T,
+// heads, 1, D) or (T, heads, D): the pass's queries, scaled and rotated;
+// keys and values (1, kv heads, T, D): the pass's new ones, float32,
+// stored in the slabs as float16 (nearest, ties to even). Per session:
+// `slabs` holds its slab's keys then values (1, kv heads, slots, D,
+// float16); `writes` its (slot, pass row, count) runs (rows into
+// consecutive slots); `reads` its runs of rows (first pass row, last + 1,
+// slots read [0, length), index into `masks` or -1: an additive (rows of
+// the run, >= length) mask, or none); `chunks` whether it is a prefill
+// chunk. Decode rows' keys are written first and each row reads slots
+// [0, length) of its slab; a chunk's rows read the slab as it stands,
+// then the chunk's own keys (its mask is (rows, length + rows), the
+// slab's columns then its own), and its keys are written after every
+// read: a chunk longer than the ring's spare slots overwrites slots its
+// first rows still see. Returns the attended rows (1, R, heads * D), R
+// the rows of every read in order, then each slab's keys and values
+// after the writes: the slab's own buffers updated in place where
+// nothing else holds them (MLX's slice_update rule), else copies. Per
+// row and head: the scores, a precise softmax (max subtracted) and the
+// weighted sum of values over parts of kernels.h's PART_SLOTS slots
+// (fixed by the slots it reads), combined in order: a fixed order per
+// query, so a decode row's output is the same in any pass.
+std::vector<mx::array> attend(
     const mx::array& q,
     const mx::array& keys,
     const mx::array& values,
     const std::vector<mx::array>& slabs,
     const std::vector<std::vector<int>>& writes,
     const std::vector<std::vector<int>>& reads,
-    const std::vector<mx::array>& masks);
+    const std::vector<mx::array>& masks,
+    const std::vector<bool>& chunks);
 
-// A precise softmax over the last axis of scores (..., R, S) plus an
-// additive mask (M, S) (row r takes mask row r % M: a prefill chunk's
-// scores of M tokens, its query heads' rows one after another), one op:
-// what MLX's CPU runs as a scalar exp (or NumPy after a synchronisation).
-// Each row: its max, exp(score - max) (vectorised, -inf weighs exactly
-// nothing), their sum in 16 lanes and a fixed tree, the weights over it.
-mx::array softmax_rows(const mx::array& scores, const std::optional<mx::array>& mask);
-
-class SoftmaxRows : public mx::UnaryPrimitive {
+class Attend : public mx::Primitive {
  public:
-  explicit SoftmaxRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  const char* name() const override { return "KvmuxSoftmaxRows"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-};
-
-class AttendRows : public mx::Primitive {
- public:
-  AttendRows(mx::Stream stream, std::vector<std::vector<int>> writes, std::vector<std::vector<int>> reads)
-      : mx::Primitive(stream), writes_(std::move(writes)), reads_(std::move(reads)) {}
+  Attend(mx::Stream stream, std::vector<std::vector<int>> writes, std::vector<std::vector<int>> reads,
+         std::vector<bool> chunks)
+      : mx::Primitive(stream), writes_(std::move(writes)), reads_(std::move(reads)), chunks_(std::move(chunks)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "KvmuxAttendRows"; }
+  const char* name() const override { return "KvmuxAttend"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const AttendRows&>(other);
-    return writes_ == o.writes_ && reads_ == o.reads_;
+    const auto& o = static_cast<const Attend&>(other);
+    return writes_ == o.writes_ && reads_ == o.reads_ && chunks_ == o.chunks_;
   }
 
  private:
   std::vector<std::vector<int>> writes_, reads_;
+  std::vector<bool> chunks_;
 };
 
 class RMSNorm : public mx::UnaryPrimitive {

@@ -21,6 +21,10 @@ struct V {
     _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
   }
+  static void narrow16(const float* x, uint16_t* out) {  // nearest, ties to even
+    for (int h = 0; h < 2; ++h)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * h), _mm256_cvtps_ph(_mm256_loadu_ps(x + 8 * h), _MM_FROUND_TO_NEAREST_INT));
+  }
   struct vec {
     __m256 lo, hi;
   };
@@ -38,6 +42,7 @@ struct V {
     return v;
   }
   static part fma_part(part a, part b, part c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fma8(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }  // attend.h's
   static part& part_of(vec& v, int h) { return h ? v.hi : v.lo; }
   static vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static vec set1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
@@ -74,7 +79,7 @@ struct V {
 }  // namespace avx2
 
 AttentionKernels attention_avx2() {
-  return {&avx2::attend_part<avx2::Halves>, &avx2::softmax_row<avx2::Halves>};
+  return {&avx2::attend_part<avx2::Halves>, &avx2::narrow};
 }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 

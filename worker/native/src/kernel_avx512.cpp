@@ -20,12 +20,16 @@ struct V {
   static void halves16(const uint16_t* p, float* out) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
   }
+  static void narrow16(const float* x, uint16_t* out) {  // nearest, ties to even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(_mm512_loadu_ps(x), _MM_FROUND_TO_NEAREST_INT));
+  }
   using vec = __m512;
   static vec zero() { return _mm512_setzero_ps(); }
   static vec set1(float f) { return _mm512_set1_ps(f); }
   static vec load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m512 fma16(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }  // attend.h's
   static constexpr bool TABLE4 = true;
   static vec table(vec s, vec b) {
     const vec q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -60,7 +64,7 @@ struct V {
 }  // namespace avx512
 
 AttentionKernels attention_avx512() {
-  return {&avx512::attend_part<avx512::Wide>, &avx512::softmax_row<avx512::Wide>};
+  return {&avx512::attend_part<avx512::Wide>, &avx512::narrow};
 }
 BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; }
 

@@ -19,6 +19,9 @@ struct V {
   static void halves16(const uint16_t* p, float* out) {
     for (int i = 0; i < 16; ++i) out[i] = kvmux_native::half_to_float(p[i]);
   }
+  static void narrow16(const float* x, uint16_t* out) {
+    for (int i = 0; i < 16; ++i) out[i] = kvmux_native::float_to_half(x[i]);
+  }
   struct vec {
     float v[16];
   };
@@ -35,6 +38,11 @@ struct V {
   }
   static void store(float* p, const vec& a) {
     for (int i = 0; i < 16; ++i) p[i] = a.v[i];
+  }
+  typedef float f8 __attribute__((vector_size(32)));
+  static f8 fma8(f8 a, f8 b, f8 c) {  // attend.h's
+    for (int i = 0; i < 8; ++i) a[i] = std::fma(a[i], b[i], c[i]);
+    return a;
   }
   static vec fma(const vec& a, const vec& b, const vec& c) {
     vec r;
@@ -66,7 +74,7 @@ struct V {
 }  // namespace scalar
 
 AttentionKernels attention_scalar() {
-  return {&scalar::attend_part<scalar::Halves>, &scalar::softmax_row<scalar::Halves>};
+  return {&scalar::attend_part<scalar::Halves>, &scalar::narrow};
 }
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
 

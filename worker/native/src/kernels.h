@@ -62,13 +62,26 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// Decode rows' attention over one layer of a slab (attend.h): q (rows,
-// heads, D), keys and values (kv heads, slots, D) read at slots [0,
-// length), an additive mask (rows, mask_stride) or none; out (rows, heads, D).
+// float32 to the nearest float16 (ties to even), as bits: a slab's keys
+// and values as it stores them. _Float16's conversion: F16C or libgcc's
+// on x86, one instruction on aarch64; the same value on each.
+inline uint16_t float_to_half(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+// Rows' attention over keys and values of one layer (attend.h): q (rows,
+// heads, D), keys and values as float16 bits (kv heads, slots with
+// kv_stride between heads, D) read at slots [0, length), an additive mask
+// (rows, mask_stride) or none; out (rows, heads, D). A slab stores its
+// keys and values in float16: a token reads them, and half the bytes
+// read is most of the time at a full window.
 struct Attention {
   const float* q;
-  const float* keys;
-  const float* values;
+  const uint16_t* keys;
+  const uint16_t* values;
   const float* mask;
   float* out;
   int rows, heads, kv_heads, D, length;
@@ -88,14 +101,13 @@ constexpr int PART_SLOTS = 512;
 // by exp(score - max), the max, the sum of the weights (attend.h).
 using AttendFn = void (*)(const Attention&, int row, int kv, int j0, int j1, float* scores, float* part);
 
-// A precise softmax of one row of n scores plus its additive mask row
-// (or none) into out (attend.h's softmax_row).
-using SoftmaxFn = void (*)(const float* scores, const float* mask, int n, float* out);
+// n floats to float16 bits (float_to_half's), 16 at a time where the CPU can.
+using NarrowFn = void (*)(const float* x, size_t n, uint16_t* out);
 
 // An instruction set's attention kernels.
 struct AttentionKernels {
   AttendFn attend;
-  SoftmaxFn softmax;
+  NarrowFn narrow;
 };
 
 AttentionKernels attention_scalar();

@@ -293,24 +293,6 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
 }
 
 
-const float* contiguous_rows(const mx::array& x, std::vector<float>& copy) {
-  if (x.flags().row_contiguous) return x.data<float>();
-  copy.resize(x.size());
-  const float* src = x.data<float>();
-  const auto& shape = x.shape();
-  const auto& strides = x.strides();
-  for (size_t i = 0; i < copy.size(); ++i) {
-    size_t rest = i;
-    int64_t at = 0;
-    for (int d = int(shape.size()) - 1; d >= 0; --d) {
-      at += int64_t(rest % shape[d]) * strides[d];
-      rest /= shape[d];
-    }
-    copy[i] = src[at];
-  }
-  return copy.data();
-}
-
 void x_order(const float* x, int rows, int K, int bits, float* out) {
   if (bits != 4) {
     std::memcpy(out, x, sizeof(float) * size_t(rows) * K);

@@ -63,9 +63,27 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   int bits_;
 };
 
-// x's elements (float32) in row-major order: its own data where it is
-// row-contiguous, else gathered into `copy`.
-const float* contiguous_rows(const mx::array& x, std::vector<float>& copy);
+// x's elements (T: float for float32, uint16_t for float16's bits) in
+// row-major order: its own data where it is row-contiguous, else gathered
+// into `copy` (a broadcast mx.zeros, a slice).
+template <class T>
+const T* contiguous_rows(const mx::array& x, std::vector<T>& copy) {
+  if (x.flags().row_contiguous) return x.data<T>();
+  copy.resize(x.size());
+  const T* src = x.data<T>();
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  for (size_t i = 0; i < copy.size(); ++i) {
+    size_t rest = i;
+    int64_t at = 0;
+    for (int d = int(shape.size()) - 1; d >= 0; --d) {
+      at += int64_t(rest % shape[d]) * strides[d];
+      rest /= shape[d];
+    }
+    copy[i] = src[at];
+  }
+  return copy.data();
+}
 
 // items(i) for every i in [0, count), over the kernel's threads.
 void parallel_for(int count, const std::function<void(int)>& items);
