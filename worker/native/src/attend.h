@@ -32,6 +32,9 @@ struct Wide {
   static Wide splat(float f) { return {v16{} + f}; }
   Wide operator+(const Wide& o) const { return {v + o.v}; }
   Wide operator*(const Wide& o) const { return {v * o.v}; }
+  static Wide masked(const Wide& s, const Wide& m) {  // s + m, or exactly m (-inf) where m is -inf
+    return {m.v == -__builtin_inff() ? m.v : s.v + m.v};
+  }
   template <class W>
   static Wide fma(const Wide& a, const Wide& b, const Wide& c) {
     return {W::fma16(a.v, b.v, c.v)};
@@ -81,6 +84,9 @@ struct Halves {
   static Halves splat(float f) { return {v8{} + f, v8{} + f}; }
   Halves operator+(const Halves& o) const { return {lo + o.lo, hi + o.hi}; }
   Halves operator*(const Halves& o) const { return {lo * o.lo, hi * o.hi}; }
+  static Halves masked(const Halves& s, const Halves& m) {
+    return {m.lo == -__builtin_inff() ? m.lo : s.lo + m.lo, m.hi == -__builtin_inff() ? m.hi : s.hi + m.hi};
+  }
   template <class W>
   static Halves fma(const Halves& a, const Halves& b, const Halves& c) {
     return {W::fma8(a.lo, b.lo, c.lo), W::fma8(a.hi, b.hi, c.hi)};
@@ -234,15 +240,15 @@ void score_slots(const L (*q)[DC], const uint16_t* keys, const float* mask, int 
     });
     const int m = n - j < 16 ? n - j : 16;
     for (int b = 0; b < N; ++b) {
-      float lanes[16];
-      sums.x[b].store(lanes);
       float* sj = s + size_t(b) * stride + j;
-      if (!mask) {
-        std::memcpy(sj, lanes, sizeof(float) * m);
+      if (m == 16) {
+        (mask ? L::masked(sums.x[b], L::load(mask + j)) : sums.x[b]).store(sj);
         continue;
       }
-      const float* mj = mask + j;
-      for (int l = 0; l < m; ++l) sj[l] = mj[l] == -__builtin_inff() ? mj[l] : lanes[l] + mj[l];
+      float lanes[16];
+      sums.x[b].store(lanes);
+      const float* mj = mask ? mask + j : nullptr;
+      for (int l = 0; l < m; ++l) sj[l] = !mj ? lanes[l] : mj[l] == -__builtin_inff() ? mj[l] : lanes[l] + mj[l];
     }
   }
 }

@@ -357,8 +357,10 @@ void Attend::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         out_row += a.rows;
       }
     }
-    // Items by run, KV head, row, then part: a thread's next item mostly
-    // reads the same keys and values, still in its cache.
+    // Items by run, KV head, part, then row: a thread's next item reads
+    // the same keys and values (a part's 128 KB or less), still in its
+    // cache, for the next row. Each item's partial sits by (row, KV head),
+    // then part, for combine.
     std::vector<int> first_part(runs.size() + 1);
     int most = 0;
     for (size_t r = 0; r < runs.size(); ++r) {
@@ -374,12 +376,13 @@ void Attend::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
       if (scores.size() < size_t(most)) scores.resize(most);
       const size_t r = std::upper_bound(first_part.begin(), first_part.end(), item) - first_part.begin() - 1;
       const Run& run = runs[r];
-      const int local = item - first_part[r], pair = local / run.parts(), rows = run.slab.rows;
-      int part = local % run.parts();
-      const Attention& a = part < run.slab_parts ? run.slab : run.own;
-      if (part >= run.slab_parts) part -= run.slab_parts;
+      const int local = item - first_part[r], rows = run.slab.rows, parts = run.parts();
+      const int head = local / (parts * rows), row = local % rows, at = local / rows % parts;
+      const Attention& a = at < run.slab_parts ? run.slab : run.own;
+      const int part = at < run.slab_parts ? at : at - run.slab_parts;
       const int j0 = part * PART_SLOTS, j1 = std::min(a.length, j0 + PART_SLOTS);
-      kernels.attend(a, pair % rows, pair / rows, j0, j1, scores.data(), partials + size_t(item) * G * (D + 2));
+      const size_t slot = size_t(first_part[r]) + size_t(head * rows + row) * parts + at;
+      kernels.attend(a, row, head, j0, j1, scores.data(), partials + slot * G * (D + 2));
     });
     for (size_t r = 0; r < runs.size(); ++r) {
       const Attention& a = runs[r].slab;
