@@ -253,24 +253,17 @@ void score_slots(const L (*q)[DC], const uint16_t* keys, const float* mask, int 
   }
 }
 
-// Chains each query's weighted sum of values runs in (even and odd
-// slots, added at the end, where the registers hold both).
-template <int DC>
-constexpr int chains_of() {
-  return DC <= 4 ? 2 : 1;
-}
-
 // Σ_j w[b * stride + j] * values[j] over slots [0, n) for N query heads,
-// into o[b * (D + 2) ...]: each value widened once for them all; slot j
-// goes to chain j % chains, the chains added in order at the end.
+// into o[b * (D + 2) ...]: each value widened once for them all, each
+// head's sums one chain of fused multiply-adds in slot order (a second
+// chain for odd slots spilled AVX2's 16 registers).
 template <class L, int DC, int N>
 void weigh_values(const float* w, size_t stride, const uint16_t* values, int n, float* o) {
-  constexpr int C = chains_of<DC>();
-  L acc[N][C][DC];
+  L acc[N][DC];
   for (int b = 0; b < N; ++b)
-    for (int e = 0; e < C; ++e)
-      for (int c = 0; c < DC; ++c) acc[b][e][c] = L::splat(0.0f);
-  auto add = [&](int j, L (*chain)[DC]) {  // slot j into chain (per query head)
+    for (int c = 0; c < DC; ++c) acc[b][c] = L::splat(0.0f);
+  for (int j = 0; j < n; ++j) {
+    if (j % 16 == 0) ahead(values, j, n, DC * 16);
     const uint16_t* v = values + size_t(j) * DC * 16;
     L vc[DC];
 #pragma GCC unroll 16
@@ -279,22 +272,11 @@ void weigh_values(const float* w, size_t stride, const uint16_t* values, int n, 
     for (int b = 0; b < N; ++b) {
       const L p = L::splat(w[size_t(b) * stride + j]);
 #pragma GCC unroll 16
-      for (int c = 0; c < DC; ++c) chain[b * C][c] = fma(p, vc[c], chain[b * C][c]);
+      for (int c = 0; c < DC; ++c) acc[b][c] = fma(p, vc[c], acc[b][c]);
     }
-  };
-  int j = 0;
-  for (; j + C <= n; j += C) {
-    if (j % 16 == 0) ahead(values, j, n, DC * 16);
-    add(j, &acc[0][0]);
-    if constexpr (C == 2) add(j + 1, &acc[0][1]);
   }
-  if (j < n) add(j, &acc[0][0]);  // the last slot of an odd count: chain 0, as it would go
   for (int b = 0; b < N; ++b)
-    for (int c = 0; c < DC; ++c) {
-      L sum = acc[b][0][c];
-      for (int e = 1; e < C; ++e) sum = sum + acc[b][e][c];
-      sum.store(o + size_t(b) * (DC * 16 + 2) + 16 * c);
-    }
+    for (int c = 0; c < DC; ++c) acc[b][c].store(o + size_t(b) * (DC * 16 + 2) + 16 * c);
 }
 
 #include "expf.h"
