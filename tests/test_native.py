@@ -396,6 +396,34 @@ def test_whole_model_logits_equal_the_float32_copys(models):
     assert mx.abs(kernel - fallback).max().item() < 1e-3 * mx.abs(fallback).max().item()
 
 
+def test_a_slab_crosses_between_the_kernel_and_the_float32_path(models):
+    """The kernel's slabs hold float16 keys and values (half the bytes), the
+    float32 path's float32. A slab one path wrote (a snapshot a worker on
+    the other path restores) is taken up by the other, converted once, and
+    its next logits are those that path gives its own slab, to the keys'
+    float16 rounding."""
+    from kvmux.worker.forward import Floors, Segment, forward
+
+    prompt = mx.array(np.random.default_rng(1).integers(100, 20000, 64))
+    token = mx.array([1234])
+    slabs, nexts = [], []
+    for loaded in models:
+        slab = loaded.make_slab(4, 2048, 0)
+        forward(loaded.model, [Segment(prompt, slab)], Floors())
+        slabs.append(slab)
+        nexts.append(forward(loaded.model, [Segment(token, loaded.copy_slab(slab), True)], Floors())[0])
+    mx.eval(nexts, [[c.state for c in slab] for slab in slabs])
+    assert {c.keys.dtype for c in slabs[0]} == {mx.float16} and {c.keys.dtype for c in slabs[1]} == {mx.float32}
+    assert all(2 * k.nbytes == f.nbytes for k, f in zip(slabs[0], slabs[1], strict=True))
+    for mine, theirs in ((0, 1), (1, 0)):
+        loaded, own = models[mine], nexts[mine]
+        taken = loaded.copy_slab(slabs[theirs])
+        crossed = forward(loaded.model, [Segment(token, taken, True)], Floors())[0]
+        assert {c.keys.dtype for c in taken} == {slabs[mine][0].keys.dtype}
+        assert mx.argmax(crossed).item() == mx.argmax(own).item()
+        assert mx.abs(crossed - own).max().item() < 1e-2 * mx.abs(own).max().item()
+
+
 @pytest.mark.stack
 def test_a_worker_without_the_kernel_serves_the_same_tokens(stack_factory, shared_stack, hf_tokenizer, near_tie):
     """`--cpu-kernel off` (what a worker does where the extension is not

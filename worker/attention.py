@@ -138,8 +138,7 @@ def _attend_native(native, queries: mx.array, keys: mx.array, values: mx.array, 
     keys, its keys written after; the slabs in float16 (SLAB_DTYPE)."""
     slabs, writes, reads, masks, chunks = [], [], [], [], []
     for start, n, cache, plan in segments:
-        if cache.keys is not None and cache.keys.dtype != SLAB_DTYPE:  # a snapshot of MLX's path
-            cache.keys, cache.values = cache.keys.astype(SLAB_DTYPE), cache.values.astype(SLAB_DTYPE)
+        _hold_as(cache, SLAB_DTYPE)
         chunk = not isinstance(plan, list)
         runs = [(0, n, plan.shape[1] - n, plan)] if chunk else plan  # a chunk's mask: the slab's columns, then its own
         claims = cache.claim(n, keys, SLAB_DTYPE)
@@ -156,6 +155,14 @@ def _attend_native(native, queries: mx.array, keys: mx.array, values: mx.array, 
     for (_, _, cache, _), k, v in zip(segments, updated[::2], updated[1::2], strict=True):
         cache.keys, cache.values = k, v
     return out
+
+
+def _hold_as(cache: SlabCache, dtype: mx.Dtype) -> None:
+    """The slab's arrays in `dtype`, converted once where they arrive in
+    another (a snapshot or a prefix written by a worker on the other path:
+    float16 where kvmux_native runs the model, the model's floats else)."""
+    if cache.keys is not None and cache.keys.dtype != dtype:
+        cache.keys, cache.values = cache.keys.astype(dtype), cache.values.astype(dtype)
 
 
 def _plan_chunk(
@@ -223,6 +230,7 @@ def attend_all(queries: mx.array, keys: mx.array, values: mx.array, segments: li
     total, n_heads = queries.shape[:2]
     pending = []
     for start, n, cache, plan in segments:
+        _hold_as(cache, keys.dtype)
         part = (queries, keys, values)
         if (start, n) != (0, total):  # a shared pass: this segment's tokens
             part = (queries[start : start + n], keys[..., start : start + n, :], values[..., start : start + n, :])
