@@ -105,9 +105,14 @@ def test_a_higher_priority_prefill_takes_whole_chunks_while_lower_streams_wait(s
         reader = threading.Thread(target=lambda: streamed.extend(time.monotonic() for _ in stream), daemon=True)
         reader.start()
 
+        starts = iter(range(1000, 40000, 2000))
+
         def prefill_s(priority: int) -> float:
+            # Tokens of its own each time: a repeated opening would be restored
+            # from a shared prefix snapshot instead of prefilled.
             session = client.open_session(priority=priority)
-            seconds = session.append(token_ids=list(range(1000, 3000))).prefill_s
+            start = next(starts)
+            seconds = session.append(token_ids=list(range(start, start + 2000))).prefill_s
             session.close()
             return seconds
 
