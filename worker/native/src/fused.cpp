@@ -298,7 +298,7 @@ void Attend::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     const auto& q = inputs[0];
     const auto& keys = inputs[1];
     const int heads = q.shape(1), D = q.shape(-1), kv = keys.shape(1), T = keys.shape(2);
-    const AttentionKernels kernels = attention_kernels();
+    const IsaKernels kernels = isa_kernels();
     const float* qv = contiguous_rows(q, qs);
     const float* new_kv[2] = {contiguous_rows(keys, ks), contiguous_rows(inputs[2], vs)};
     for (int part = 0; part < 2; ++part) {  // as the slab stores them, and a chunk reads its own

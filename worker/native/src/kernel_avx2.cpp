@@ -75,11 +75,12 @@ struct V {
 
 #include "block.h"
 #include "attend.h"
+#include "swiglu.h"
 
 }  // namespace avx2
 
-AttentionKernels attention_avx2() {
-  return {&avx2::attend_part<avx2::Halves>, &avx2::narrow};
+IsaKernels kernels_avx2() {
+  return {&avx2::attend_part<avx2::Halves>, &avx2::narrow, &avx2::swiglu};
 }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 
@@ -89,6 +90,6 @@ BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 #else
 namespace kvmux_native {
 BlockFn block_avx2() { return nullptr; }
-AttentionKernels attention_avx2() { return {}; }
+IsaKernels kernels_avx2() { return {}; }
 }  // namespace kvmux_native
 #endif

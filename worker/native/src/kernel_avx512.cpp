@@ -60,11 +60,12 @@ struct V {
 
 #include "block.h"
 #include "attend.h"
+#include "swiglu.h"
 
 }  // namespace avx512
 
-AttentionKernels attention_avx512() {
-  return {&avx512::attend_part<avx512::Wide>, &avx512::narrow};
+IsaKernels kernels_avx512() {
+  return {&avx512::attend_part<avx512::Wide>, &avx512::narrow, &avx512::swiglu};
 }
 BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; }
 
@@ -74,6 +75,6 @@ BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; 
 #else
 namespace kvmux_native {
 BlockFn block_avx512() { return nullptr; }
-AttentionKernels attention_avx512() { return {}; }
+IsaKernels kernels_avx512() { return {}; }
 }  // namespace kvmux_native
 #endif

@@ -70,11 +70,12 @@ struct V {
 
 #include "block.h"
 #include "attend.h"
+#include "swiglu.h"
 
 }  // namespace scalar
 
-AttentionKernels attention_scalar() {
-  return {&scalar::attend_part<scalar::Halves>, &scalar::narrow};
+IsaKernels kernels_scalar() {
+  return {&scalar::attend_part<scalar::Halves>, &scalar::narrow, &scalar::swiglu};
 }
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
 

@@ -88,15 +88,19 @@ using AttendFn = void (*)(const Attention&, int row, int kv, int j0, int j1, flo
 // n floats to float16 bits (float_to_half's), 16 at a time where the CPU can.
 using NarrowFn = void (*)(const float* x, size_t n, uint16_t* out);
 
-// An instruction set's attention kernels.
-struct AttentionKernels {
+// silu(gate) * up into gate, n values (swiglu.h).
+using SwigluFn = void (*)(float* gate, const float* up, size_t n);
+
+// An instruction set's kernels besides the products (BlockFn).
+struct IsaKernels {
   AttendFn attend;
   NarrowFn narrow;
+  SwigluFn swiglu;
 };
 
-AttentionKernels attention_scalar();
-AttentionKernels attention_avx2();
-AttentionKernels attention_avx512();
+IsaKernels kernels_scalar();
+IsaKernels kernels_avx2();
+IsaKernels kernels_avx512();
 
 enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
 

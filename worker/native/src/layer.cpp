@@ -1,6 +1,5 @@
 #include "layer.h"
 
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -11,8 +10,6 @@
 namespace kvmux_native {
 
 namespace {
-
-#include "expf.h"
 
 // Checks the residual stream and norm and the layer's projections
 // (`count` of them, each taking `inputs[i]` features); returns h's width.
@@ -192,13 +189,7 @@ void MLP::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     gate_up[0].out = gate.data();
     gate_up[1].out = up.data();
     compute(gate_up);
-    // swiglu: silu(g) * u, silu(g) = g * sigmoid(g), sigmoid as MLX's CPU
-    // computes it (1 / (1 + exp(-|g|)), mirrored below zero).
-    for (size_t i = 0; i < size_t(T) * inner; ++i) {
-      const float g = gate[i];
-      const float y = 1.0f / (1.0f + exp_nonpositive(-std::fabs(g)));
-      gate[i] = (g * (g < 0.0f ? 1.0f - y : y)) * up[i];
-    }
+    isa_kernels().swiglu(gate.data(), up.data(), size_t(T) * inner);
     std::vector<Problem> down{ps[2]};
     feed(down, gate.data(), T, ordered);
     down[0].out = o;

@@ -5,7 +5,8 @@
 // the separate ops' (rms_rows, the quantized products, rope_rows, the
 // residual add) in the same order, so a row's result is the same as
 // theirs and never depends on the other rows of the pass. swiglu's
-// sigmoid uses expf.h's exp (MLX's own differs in the last bits).
+// sigmoid uses expf.h's exp (MLX's own differs in the last bits), in
+// the instruction set's own loop (swiglu.h).
 
 #pragma once
 

@@ -88,8 +88,8 @@ const T* contiguous_rows(const mx::array& x, std::vector<T>& copy) {
 // items(i) for every i in [0, count), over the kernel's threads.
 void parallel_for(int count, const std::function<void(int)>& items);
 
-// The attention kernels of the instruction set in use.
-AttentionKernels attention_kernels();
+// The kernels besides the products of the instruction set in use.
+IsaKernels isa_kernels();
 
 // The instruction set the kernel runs ("avx512", "avx2", "scalar"), and
 // every one this CPU can run, best first.
