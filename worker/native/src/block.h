@@ -262,6 +262,15 @@ void tile(const float* x, int ldx, const float* w, int K, float* out, int ldo) {
       out[size_t(i) * ldo + j] = V::hsum(acc[i][j]);
 }
 
+// tile of NB weight rows by `rows` (1..MB) rows of x: a last block of
+// fewer rows still shares each weight vector among all of them.
+template <class V, int NB, int MB>
+void tile_rows(int rows, const float* x, int ldx, const float* w, int K, float* out, int ldo) {
+  if constexpr (MB > 1)
+    if (rows < MB) return tile_rows<V, NB, MB - 1>(rows, x, ldx, w, K, out, ldo);
+  tile<V, NB, MB>(x, ldx, w, K, out, ldo);
+}
+
 template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
 void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   const int K = p.K;
@@ -269,22 +278,16 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
     dequantize_row<V, BITS, ST>(p, n, scratch + size_t(n - n0) * K);
   for (int nb = n0; nb < n1; nb += NB) {
     const float* w = scratch + size_t(nb - n0) * K;
-    const bool full_n = nb + NB <= n1;
     for (int mb = m0; mb < m1; mb += MB) {
+      const int rows = m1 - mb < MB ? m1 - mb : MB;
       const float* x = p.x + size_t(mb) * K;
       float* out = p.out + size_t(mb) * p.N + nb;
-      if (full_n && mb + MB <= m1) {
-        tile<V, NB, MB>(x, K, w, K, out, p.N);
+      if (nb + NB <= n1) {
+        tile_rows<V, NB, MB>(rows, x, K, w, K, out, p.N);
         continue;
       }
-      for (int i = 0; i < MB && mb + i < m1; ++i) {
-        if (full_n) {
-          tile<V, NB, 1>(x + size_t(i) * K, K, w, K, out + size_t(i) * p.N, p.N);
-          continue;
-        }
-        for (int j = 0; j < NB && nb + j < n1; ++j)
-          tile<V, 1, 1>(x + size_t(i) * K, K, w + size_t(j) * K, K, out + size_t(i) * p.N + j, p.N);
-      }
+      for (int j = 0; nb + j < n1; ++j)  // the last weight rows, fewer than NB
+        tile_rows<V, 1, MB>(rows, x, K, w + size_t(j) * K, K, out + j, p.N);
     }
   }
 }
