@@ -207,6 +207,53 @@ def test_a_chunk_reads_its_slab_as_it_stood_then_writes():
         native.attend(q, new_k, new_v, slab, writes, [[0, n, slots, -1]], [], [True])
 
 
+def test_a_chunk_row_is_the_same_in_a_longer_chunk_and_on_every_instruction_set():
+    """A chunk's rows are lanes of its items (16 rows an item, their query
+    heads together): a row's output is the same bits whatever rows share
+    its item (the first 21 rows of a 40-row chunk against those rows
+    alone, both over 700 slots, two parts, one of them masked in
+    places), equals MLX's attention to float32 rounding, and is the same
+    on every instruction set."""
+    heads, kv, d, slots, n = 9, 3, 64, 700, 40
+    q = mx.random.normal((n, heads, 1, d), key=mx.random.key(60)) * 0.125
+    new_k, new_v = (mx.random.normal((1, kv, n, d), key=mx.random.key(i)) for i in (61, 62))
+    slab = [mx.random.normal((1, kv, slots, d), key=mx.random.key(i)).astype(mx.float16) for i in (63, 64)]
+    mask = np.zeros((n, slots + n), np.float32)
+    mask[:, 600:] = -np.inf  # slots holding nothing
+    mask[:, :30] = np.where(
+        np.arange(30)[None, :] + 5 < np.arange(n)[:, None], -np.inf, 0
+    )  # the oldest, dropped row by row
+    mask[:, slots:][np.triu(np.ones((n, n), bool), 1)] = -np.inf
+    mask[7, 100] = 0.5  # an additive mask need not be 0 or -inf
+
+    def chunk(rows):
+        out, _, _ = native.attend(
+            q[:rows],
+            new_k[..., :rows, :],
+            new_v[..., :rows, :],
+            slab,
+            [[0, 0, 1]],
+            [[0, rows, slots, 0]],
+            [mx.array(np.concatenate([mask[:rows, :slots], mask[:rows, slots : slots + rows]], 1))],
+            [True],
+        )
+        return out
+
+    outs = []
+    try:
+        for isa in native.isas():
+            native.set_isa(isa)
+            outs.append((chunk(n), chunk(21)))
+    finally:
+        native.set_isa(native.isas()[0])
+    whole, part = outs[0]
+    assert mx.array_equal(whole[:, :21], part).item()
+    assert all(mx.array_equal(a, whole).item() and mx.array_equal(b, part).item() for a, b in outs)
+    both_k = mx.concatenate([slab[0], new_k.astype(mx.float16)], axis=2)
+    both_v = mx.concatenate([slab[1], new_v.astype(mx.float16)], axis=2)
+    assert mx.abs(whole - _reference(q, both_k, both_v, mx.array(mask))).max().item() < 1e-5
+
+
 def test_decode_rows_write_each_session_into_its_slab_then_attend():
     """Two sessions in one op: each one's new keys and values land in its
     own slab's slots (a run that wraps to the ring's start included), the

@@ -73,13 +73,22 @@ def context(session, tokens: list[int]) -> list[int]:
 
 def run_all(client: Client, prompts, window: int | None = None, **options):
     """Every prompt in its own session, all at once (they share passes):
-    per prompt, the reply's tokens, its result and the history it continues."""
+    per prompt, the reply's tokens, its result and the history it continues.
+    The prompts are prefilled first, every session's before any decodes,
+    and with no shared prefix: a prefill's chunks are then the same in
+    every run (a chunk's bits depend on where it starts, and chunks shrink
+    while other sessions decode, worker/pace.py), so two runs' replies
+    differ only by how they decode."""
     out: dict[int, tuple[list[int], p.GenerateResult, list[int]]] = {}
+    prefilled = threading.Barrier(len(prompts))
 
     def one(i: int, text: str, max_tokens: int) -> None:
-        with client.open_session(**({"window": window} if window else {})) as session:
-            tokens, result = reply(session, text, max_tokens=max_tokens, **options)
-            out[i] = tokens, result, context(session, tokens)
+        with client.open_session(prefix="off", **({"window": window} if window else {})) as session:
+            session.append([p.ChatMessage(role="user", content=text)])
+            prefilled.wait(timeout=600)
+            stream = session.generate(temperature=0.0, max_tokens=max_tokens, **options)
+            tokens = [t for chunk in stream for t in chunk.token_ids]
+            out[i] = tokens, stream.result, context(session, tokens)
 
     threads = [threading.Thread(target=one, args=(i, *prompt)) for i, prompt in enumerate(prompts)]
     for t in threads:

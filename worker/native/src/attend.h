@@ -17,6 +17,7 @@ typedef float v2 __attribute__((vector_size(8)));
 
 // 16 lanes as one vector.
 struct Wide {
+  static constexpr bool ONE_REGISTER = true;  // AVX-512's: 32 of them
   v16 v;
   static Wide load(const float* p) {
     Wide w;
@@ -29,7 +30,7 @@ struct Wide {
     V::halves16(p, f);
     return load(f);
   }
-  static Wide splat(float f) { return {v16{} + f}; }
+  static Wide splat(float f) { return {v16{f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}}; }  // `v16{} + f` adds 0
   Wide operator+(const Wide& o) const { return {v + o.v}; }
   Wide operator*(const Wide& o) const { return {v * o.v}; }
   static Wide masked(const Wide& s, const Wide& m) {  // s + m, or exactly m (-inf) where m is -inf
@@ -65,6 +66,7 @@ struct Wide {
 
 // 16 lanes as two vectors of 8.
 struct Halves {
+  static constexpr bool ONE_REGISTER = false;  // two of AVX2's 16
   v8 lo, hi;
   static Halves load(const float* p) {
     Halves h;
@@ -81,7 +83,10 @@ struct Halves {
     V::halves16(p, f);
     return load(f);
   }
-  static Halves splat(float f) { return {v8{} + f, v8{} + f}; }
+  static Halves splat(float f) {
+    const v8 v{f, f, f, f, f, f, f, f};
+    return {v, v};
+  }
   Halves operator+(const Halves& o) const { return {lo + o.lo, hi + o.hi}; }
   Halves operator*(const Halves& o) const { return {lo * o.lo, hi * o.hi}; }
   static Halves masked(const Halves& s, const Halves& m) {
@@ -206,8 +211,9 @@ struct Many {
 
 // How many query heads a pass over a part's keys (and then its values)
 // serves at once: each key and value is widened once for them all where
-// the registers hold their sums (AVX-512's 32 at head size 64). Each
-// query's arithmetic is the same however many share a pass.
+// the registers hold their sums (AVX-512's 32 at head size 64; on AVX2,
+// some spilled, still 1.4x faster than a head at a time). Each query's
+// arithmetic is the same however many share a pass.
 template <class L, int DC>
 constexpr int batch_of() {
   return sizeof(L) == 64 && DC <= 4 ? 3 : 1;
@@ -400,6 +406,158 @@ void attend_part(const kvmux_native::Attention& a, int row, int kv, int j0, int 
       return attend_part_of<L, 16>(a, row, kv, j0, j1, scores, part);
     default:
       return attend_part_of<L, 0>(a, row, kv, j0, j1, scores, part);
+  }
+}
+
+// A prefill chunk's rows (kernels.h's ChunkFn): an item's queries (its
+// rows by their query heads) are the lanes, 16 a vector, so its scores
+// and its weighted sums of values are two small matrix products with no
+// horizontal sums. Per query and 16 slots a decode row's path spends 15
+// lane folds and its keys' widening beside the multiply-adds; here a
+// key's float16s are widened once for every query of the item. Each
+// query's arithmetic is its own, in a fixed order, whatever lane it
+// takes: a score is one chain of fused multiply-adds over d, a weight's
+// sum and a value's sum chains over the slots in order.
+
+// C[i][q] = Σ_k A[i * as + k * ks] * B[k * ldb + q] over k in order (from
+// C as it stands where `more`, else from 0), for MR rows i and NV vectors
+// of 16 lanes q: the tile's sums stay in registers over k.
+template <class L, int MR, int NV>
+inline void lane_tile(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int K,
+                      bool more) {
+  L acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = more ? L::load(C + i * ldc + 16 * v) : L::splat(0.0f);
+  for (int k = 0; k < K; ++k) {
+    L b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = L::load(B + k * ldb + 16 * v);
+    for (int i = 0; i < MR; ++i) {
+      const L a = L::splat(A[i * as + k * ks]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = fma(a, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v].store(C + i * ldc + 16 * v);
+}
+
+// lane_tile over MR rows and QV vectors: up to 4 vectors at a time where
+// a vector is one register (AVX-512's 32 hold 4 x 4 sums), one at a time
+// where it is two (AVX2's 16 hold 4 x 1; 2 x 2 measured 1.4x slower).
+template <class L, int MR>
+void lane_tiles(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int K, int QV,
+                bool more) {
+  constexpr int NV = L::ONE_REGISTER ? 4 : 1;
+  for (int v = 0; v < QV;) {
+    const int w = QV - v < NV ? QV - v : NV;
+    const float* b = B + 16 * v;
+    float* c = C + 16 * v;
+    if (w == 4) lane_tile<L, MR, NV == 4 ? 4 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
+    if (w == 3) lane_tile<L, MR, NV == 4 ? 3 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
+    if (w == 2) lane_tile<L, MR, NV == 4 ? 2 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
+    if (w == 1) lane_tile<L, MR, 1>(A, as, ks, b, ldb, c, ldc, K, more);
+    v += w;
+  }
+}
+
+// C (M x 16 QV) = A (M x K, strides as, ks) times B (K x 16 QV), 4 rows
+// of C at a time, then the rest.
+template <class L>
+void lane_product(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int M, int K,
+                  int QV, bool more) {
+  int i = 0;
+  for (; i + 4 <= M; i += 4) lane_tiles<L, 4>(A + i * as, as, ks, B, ldb, C + i * ldc, ldc, K, QV, more);
+  for (; i < M; ++i) lane_tiles<L, 1>(A + i * as, as, ks, B, ldb, C + i * ldc, ldc, K, QV, more);
+}
+
+// Slots [j, j + m) of `slots` (D float16s each, consecutive) widened
+// (exactly) into out (m x D floats), prefetching ahead of them.
+inline void widen(const uint16_t* slots, int j, int m, int n, int D, float* out) {
+  ahead(slots, j, n, D);
+  const uint16_t* p = slots + size_t(j) * D;
+  const int count = m * D;
+  int i = 0;
+  for (; i + 16 <= count; i += 16) V::halves16(p + i, out + i);
+  for (; i < count; ++i) out[i] = V::half(p[i]);
+}
+
+template <class L>
+void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int j0, int j1, float* scratch, float* part,
+                  size_t part_stride) {
+  constexpr int BS = kvmux_native::BLOCK_SLOTS;
+  const int D = a.D, G = a.heads / a.kv_heads, rows = r1 - r0, span = j1 - j0, queries = rows * G;
+  const int QV = (queries + 15) / 16, lanes = 16 * QV;  // query q: row r0 + q / G, head kv * G + q % G
+  // Masked slots past every row's last seen one add nothing: stop there.
+  int most = 0;
+  for (int r = r0; r < r1; ++r) {
+    const float* mask = a.mask ? a.mask + size_t(r) * a.mask_stride : nullptr;
+    int last = j1;
+    while (mask && last > j0 && mask[last - 1] == -__builtin_inff()) --last;
+    most = last - j0 > most ? last - j0 : most;
+  }
+  float* qt = scratch;  // D x lanes: the queries, transposed (lanes past them 0)
+  float* s = qt + size_t(D) * lanes;  // span x lanes: scores, then weights
+  float* ot = s + size_t(span) * lanes;  // D x lanes: the weighted sums of values
+  float* top = ot + size_t(D) * lanes;  // lanes: each query's max score
+  float* sum = top + lanes;  // lanes: the sum of its weights
+  float* wide = sum + lanes;  // BS x D: a block of keys or values, widened
+  for (int q = 0; q < lanes; ++q) {
+    const float* from = q < queries ? a.q + (size_t(r0 + q / G) * a.heads + size_t(kv) * G + q % G) * D : nullptr;
+    for (int d = 0; d < D; ++d) qt[size_t(d) * lanes + q] = from ? from[d] : 0.0f;
+  }
+  const uint16_t* keys = a.keys + size_t(kv) * a.kv_stride + size_t(j0) * D;
+  const uint16_t* values = a.values + size_t(kv) * a.kv_stride + size_t(j0) * D;
+  for (int j = 0; j < most; j += BS) {
+    const int m = most - j < BS ? most - j : BS;
+    widen(keys, j, m, most, D, wide);
+    lane_product<L>(wide, D, 1, qt, lanes, s + size_t(j) * lanes, lanes, m, D, QV, false);
+  }
+  // The mask where it is not 0 (as `masked`): a chunk's rows differ from
+  // 0 only where the window drops a slot, and causally over its own keys.
+  if (a.mask)
+    for (int r = 0; r < rows; ++r) {
+      const float* mask = a.mask + size_t(r0 + r) * a.mask_stride + j0;
+      for (int from = 0; from < most; from += 16) {
+        const int to = most - from < 16 ? most : from + 16;
+        uint32_t any = 0;  // 16 at a time, -0 as 0: a loop the vector unit runs
+        for (int j = from; j < to; ++j) any |= __builtin_bit_cast(uint32_t, mask[j]) << 1;
+        if (!any) continue;
+        for (int j = from; j < to; ++j) {
+          if (mask[j] == 0.0f) continue;
+          for (int g = 0; g < G; ++g) {
+            float& x = s[size_t(j) * lanes + r * G + g];
+            x = mask[j] == -__builtin_inff() ? mask[j] : x + mask[j];
+          }
+        }
+      }
+    }
+  // Weights exp(score - max) in place (-inf: exactly 0), per lane.
+  for (int q = 0; q < lanes; ++q) top[q] = -__builtin_inff();
+  for (int j = 0; j < most; ++j)
+    for (int q = 0; q < lanes; ++q) top[q] = s[size_t(j) * lanes + q] > top[q] ? s[size_t(j) * lanes + q] : top[q];
+  for (int v = 0; v < QV; ++v) {
+    float shift[16];  // a query that sees none of these slots: weights exp(-inf) = 0, its max still -inf
+    for (int l = 0; l < 16; ++l) shift[l] = top[16 * v + l] == -__builtin_inff() ? 0.0f : top[16 * v + l];
+    L total = L::splat(0.0f);
+    for (int j = 0; j < most; ++j) {
+      float* sj = s + size_t(j) * lanes + 16 * v;
+      float p[16];
+      for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(sj[l] - shift[l]);
+      const L w = L::load(p);
+      w.store(sj);
+      total = total + w;
+    }
+    total.store(sum + 16 * v);
+  }
+  for (int j = 0; j < most; j += BS) {
+    const int m = most - j < BS ? most - j : BS;
+    widen(values, j, m, most, D, wide);
+    lane_product<L>(wide, 1, D, s + size_t(j) * lanes, lanes, ot, lanes, D, m, QV, j > 0);
+  }
+  for (int q = 0; q < queries; ++q) {
+    float* o = part + size_t(q / G) * part_stride + size_t(q % G) * (D + 2);
+    for (int d = 0; d < D; ++d) o[d] = most ? ot[size_t(d) * lanes + q] : 0.0f;
+    o[D] = top[q];
+    o[D + 1] = most ? sum[q] : 0.0f;
   }
 }
 

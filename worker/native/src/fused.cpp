@@ -250,6 +250,7 @@ struct Run {
   Attention slab, own;
   int slab_parts = 0, own_parts = 0;
   int parts() const { return slab_parts + own_parts; }
+  bool chunk() const { return own_parts > 0; }
 };
 
 int parts_of(int slots) { return (slots + PART_SLOTS - 1) / PART_SLOTS; }
@@ -357,32 +358,39 @@ void Attend::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         out_row += a.rows;
       }
     }
-    // Items by run, KV head, part, then row: a thread's next item reads
-    // the same keys and values (a part's 128 KB or less), still in its
-    // cache, for the next row. Each item's partial sits by (row, KV head),
-    // then part, for combine.
-    std::vector<int> first_part(runs.size() + 1);
-    int most = 0;
-    for (size_t r = 0; r < runs.size(); ++r) {
-      first_part[r + 1] = first_part[r] + runs[r].slab.rows * kv * runs[r].parts();
-      most = std::max(most, (heads / kv) * std::min(std::max(runs[r].slab.length, runs[r].own.length), PART_SLOTS));
-    }
+    // Items by run, KV head, part, then row (a chunk's: CHUNK_ROWS rows
+    // at a time): a thread's next item reads the same keys and values (a
+    // part's 128 KB or less), still in its cache, for the next rows. Each
+    // row's partial sits by (row, KV head), then part, for combine.
     const int G = heads / kv;
+    std::vector<int> first_item(runs.size() + 1), first_part(runs.size() + 1), per_item(runs.size());
+    size_t most = 0;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const int rows = runs[r].slab.rows, span = std::min(std::max(runs[r].slab.length, runs[r].own.length), PART_SLOTS);
+      per_item[r] = runs[r].chunk() ? std::min(rows, CHUNK_ROWS) : 1;
+      first_item[r + 1] = first_item[r] + (rows + per_item[r] - 1) / per_item[r] * kv * runs[r].parts();
+      first_part[r + 1] = first_part[r] + rows * kv * runs[r].parts();
+      most = std::max(most, runs[r].chunk() ? chunk_scratch(per_item[r], G, span, D) : size_t(G) * span);
+    }
     thread_local std::vector<float> partial_buffer;  // this (the stream's) thread's: the pool writes through `partials`
     partial_buffer.resize(size_t(first_part.back()) * G * (D + 2));
     float* partials = partial_buffer.data();
-    parallel_for(first_part.back(), [&](int item) {
-      thread_local std::vector<float> scores;
-      if (scores.size() < size_t(most)) scores.resize(most);
-      const size_t r = std::upper_bound(first_part.begin(), first_part.end(), item) - first_part.begin() - 1;
+    parallel_for(first_item.back(), [&](int item) {
+      thread_local std::vector<float> scratch;
+      if (scratch.size() < most) scratch.resize(most);
+      const size_t r = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
       const Run& run = runs[r];
-      const int local = item - first_part[r], rows = run.slab.rows, parts = run.parts();
-      const int head = local / (parts * rows), row = local % rows, at = local / rows % parts;
+      const int local = item - first_item[r], rows = run.slab.rows, parts = run.parts(), per = per_item[r];
+      const int groups = (rows + per - 1) / per, group = local % groups, at = local / groups % parts;
+      const int head = local / (groups * parts), r0 = group * per, r1 = std::min(rows, r0 + per);
       const Attention& a = at < run.slab_parts ? run.slab : run.own;
       const int part = at < run.slab_parts ? at : at - run.slab_parts;
       const int j0 = part * PART_SLOTS, j1 = std::min(a.length, j0 + PART_SLOTS);
-      const size_t slot = size_t(first_part[r]) + size_t(head * rows + row) * parts + at;
-      kernels.attend(a, row, head, j0, j1, scores.data(), partials + slot * G * (D + 2));
+      float* out = partials + (size_t(first_part[r]) + size_t(head * rows + r0) * parts + at) * G * (D + 2);
+      if (run.chunk())
+        kernels.chunk(a, r0, r1, head, j0, j1, scratch.data(), out, size_t(parts) * G * (D + 2));
+      else
+        kernels.attend(a, r0, head, j0, j1, scratch.data(), out);
     });
     for (size_t r = 0; r < runs.size(); ++r) {
       const Attention& a = runs[r].slab;

@@ -76,7 +76,9 @@ mx::array rope(
 // row and head: the scores, a precise softmax (max subtracted) and the
 // weighted sum of values over parts of kernels.h's PART_SLOTS slots
 // (fixed by the slots it reads), combined in order: a fixed order per
-// query, so a decode row's output is the same in any pass.
+// query, so a decode row's output is the same in any pass. A chunk's
+// rows, 16 at a time, are lanes of two small matrix products (their own
+// fixed order: attend.h's attend_chunk).
 std::vector<mx::array> attend(
     const mx::array& q,
     const mx::array& keys,

@@ -80,7 +80,7 @@ struct V {
 }  // namespace avx2
 
 IsaKernels kernels_avx2() {
-  return {&avx2::attend_part<avx2::Halves>, &avx2::narrow, &avx2::swiglu};
+  return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk<avx2::Halves>, &avx2::narrow, &avx2::swiglu};
 }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
 

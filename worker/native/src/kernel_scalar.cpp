@@ -75,7 +75,7 @@ struct V {
 }  // namespace scalar
 
 IsaKernels kernels_scalar() {
-  return {&scalar::attend_part<scalar::Halves>, &scalar::narrow, &scalar::swiglu};
+  return {&scalar::attend_part<scalar::Halves>, &scalar::attend_chunk<scalar::Halves>, &scalar::narrow, &scalar::swiglu};
 }
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
 

@@ -85,6 +85,26 @@ constexpr int PART_SLOTS = 512;
 // by exp(score - max), the max, the sum of the weights (attend.h).
 using AttendFn = void (*)(const Attention&, int row, int kv, int j0, int j1, float* scores, float* part);
 
+// A prefill chunk's rows [r0, r1) (at most CHUNK_ROWS) against one KV
+// head over slots [j0, j1), their query heads together: AttendFn's
+// results, each row's at part + (r - r0) * part_stride. `scratch` holds
+// chunk_scratch(...) floats. Each query's sums in a fixed order of its
+// own (attend.h's attend_chunk): a row's result never depends on the rows
+// beside it in the item, and is the same on every instruction set (not
+// the bits a decode row at its position gets).
+using ChunkFn = void (*)(const Attention&, int r0, int r1, int kv, int j0, int j1, float* scratch, float* part,
+                         size_t part_stride);
+
+// Rows of a chunk's read an item takes together, and the slots a block
+// of keys (then values) widens at a time into L1 (4 KB at head size 64).
+constexpr int CHUNK_ROWS = 16, BLOCK_SLOTS = 16;
+
+// ChunkFn's scratch for `rows` rows of `G` query heads over `span` slots.
+inline size_t chunk_scratch(int rows, int G, int span, int D) {
+  const size_t lanes = (size_t(rows) * G + 15) / 16 * 16;
+  return lanes * (2 * size_t(D) + span + 2) + size_t(BLOCK_SLOTS) * D;
+}
+
 // n floats to float16 bits (float_to_half's), 16 at a time where the CPU can.
 using NarrowFn = void (*)(const float* x, size_t n, uint16_t* out);
 
@@ -94,6 +114,7 @@ using SwigluFn = void (*)(float* gate, const float* up, size_t n);
 // An instruction set's kernels besides the products (BlockFn).
 struct IsaKernels {
   AttendFn attend;
+  ChunkFn chunk;
   NarrowFn narrow;
   SwigluFn swiglu;
 };
