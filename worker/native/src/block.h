@@ -97,16 +97,20 @@ inline typename V::vec table_of(const typename V::vec& s, const typename V::vec&
   }
 }
 
-template <class V, int BITS, kvmux_native::ScaleType ST>
+// Row n of W dequantized into dst (K floats, in the kernel's order);
+// STEPS as direct_rows'.
+template <class V, int BITS, kvmux_native::ScaleType ST, int STEPS>
 void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
-  const int K = p.K, group = p.group, groups = K / group;
+  const int K = p.K, groups = K / (32 * STEPS);
   const uint8_t* row = p.w + size_t(n) * K * BITS / 8;
   const size_t first = size_t(n) * groups;
   for (int g = 0; g < groups; ++g) {
     const auto s = V::set1(scale_at<V, ST>(p.scales, first + g));
     const auto b = V::set1(scale_at<V, ST>(p.biases, first + g));
     const auto table = table_of<V, BITS>(s, b);
-    for (int k = g * group; k < (g + 1) * group; k += 32) {
+#pragma GCC unroll 4
+    for (int c = 0; c < STEPS; ++c) {
+      const int k = (g * STEPS + c) * 32;
       typename V::vec lo, hi;
       weights32<V, BITS>(row, k, s, b, table, lo, hi);
       V::store(dst + k, lo);
@@ -133,11 +137,14 @@ constexpr int AHEAD = 1;
 
 // MB rows of x from m0 against the NB weight rows `rows` (their scales
 // and biases as floats, `groups` apart), written to out's columns nb..nb + nn.
-template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
+// STEPS: a group's 32-weight steps (its size / 32), a constant, so that
+// the loop over groups has no inner loop of its own to run.
+template <class V, int BITS, int STEPS, int NB, int MB>
 inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
                         const float* bias, int nb, int nn, int m0) {
-  const int K = p.K, group = p.group, groups = K / group;
+  const int K = p.K, groups = K / (32 * STEPS);
   const size_t row_bytes = size_t(K) * BITS / 8;
+  const float* x = p.x + size_t(m0) * K;
   typename V::vec acc[MB][NB];
   zero_all<V>(acc);
   for (int g = 0; g < groups; ++g) {
@@ -148,7 +155,9 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       b[j] = V::set1(bias[size_t(j) * groups + g]);
       table[j] = table_of<V, BITS>(s[j], b[j]);
     }
-    for (int k = g * group; k < (g + 1) * group; k += 32) {
+#pragma GCC unroll 4
+    for (int c = 0; c < STEPS; ++c) {
+      const int k = (g * STEPS + c) * 32;
       // The rows AHEAD blocks on, a cache line at a time: the
       // prefetchers follow a row's stream, not the jump to the next rows.
       if ((k * BITS / 8) % 64 == 0)
@@ -158,11 +167,11 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) {
-        const auto xlo = V::load(p.x + size_t(m0 + i) * K + k);
+        const auto xlo = V::load(x + size_t(i) * K + k);
 #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j)
           acc[i][j] = V::fma(xlo, lo[j], acc[i][j]);
-        const auto xhi = V::load(p.x + size_t(m0 + i) * K + k + 16);
+        const auto xhi = V::load(x + size_t(i) * K + k + 16);
 #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j)
           acc[i][j] = V::fma(xhi, hi[j], acc[i][j]);
@@ -172,6 +181,22 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < nn; ++j)
       p.out[size_t(m0 + i) * p.N + nb + j] = V::hsum(acc[i][j]);
+}
+
+// direct_rows of `take` (1..MB) rows of x, for the model's group size (32, 64 or 128).
+template <class V, int BITS, int NB, int MB>
+inline void direct_pass(int take, const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
+                        const float* bias, int nb, int nn, int m0) {
+  if constexpr (MB > 1)
+    if (take < MB) return direct_pass<V, BITS, NB, MB - 1>(take, p, rows, scale, bias, nb, nn, m0);
+  switch (p.group) {
+    case 32:
+      return direct_rows<V, BITS, 1, NB, MB>(p, rows, scale, bias, nb, nn, m0);
+    case 64:
+      return direct_rows<V, BITS, 2, NB, MB>(p, rows, scale, bias, nb, nn, m0);
+    default:
+      return direct_rows<V, BITS, 4, NB, MB>(p, rows, scale, bias, nb, nn, m0);
+  }
 }
 
 // Rows m0..m1 of x by weight rows n0..n1, NB weight rows at a time, each
@@ -196,21 +221,14 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
       to_floats<V, ST>(p.scales, size_t(n) * groups, groups, scale + size_t(j) * groups);
       to_floats<V, ST>(p.biases, size_t(n) * groups, groups, bias + size_t(j) * groups);
     }
-    for (int m = m0; m < m1; m += CHUNK) {
-      switch (m1 - m < CHUNK ? m1 - m : CHUNK) {
-        case 1:
-          direct_rows<V, BITS, ST, NB, 1>(p, rows, scale, bias, nb, nn, m);
-          break;
-        case 2:
-          if constexpr (CHUNK >= 2) direct_rows<V, BITS, ST, NB, 2>(p, rows, scale, bias, nb, nn, m);
-          break;
-        case 3:
-          if constexpr (CHUNK >= 3) direct_rows<V, BITS, ST, NB, 3>(p, rows, scale, bias, nb, nn, m);
-          break;
-        default:
-          if constexpr (CHUNK >= 4) direct_rows<V, BITS, ST, NB, 4>(p, rows, scale, bias, nb, nn, m);
-          break;
-      }
+    // Rows of x in passes of at most CHUNK, as even as they go (9 rows
+    // in 3, 3 and 3 where CHUNK is 4, not 4, 4 and 1: a pass dequantizes
+    // the block again, and one of a single row pays that for little).
+    const int passes = (m1 - m0 + CHUNK - 1) / CHUNK;
+    for (int m = m0, left = passes; m < m1; --left) {
+      const int take = (m1 - m + left - 1) / left;
+      direct_pass<V, BITS, NB, CHUNK>(take, p, rows, scale, bias, nb, nn, m);
+      m += take;
     }
   }
 }
@@ -274,14 +292,28 @@ void tile_rows(int rows, const float* x, int ldx, const float* w, int K, float* 
 template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
 void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   const int K = p.K;
-  for (int n = n0; n < n1; ++n)
-    dequantize_row<V, BITS, ST>(p, n, scratch + size_t(n - n0) * K);
+  for (int n = n0; n < n1; ++n) {
+    float* dst = scratch + size_t(n - n0) * K;
+    switch (p.group) {
+      case 32:
+        dequantize_row<V, BITS, ST, 1>(p, n, dst);
+        break;
+      case 64:
+        dequantize_row<V, BITS, ST, 2>(p, n, dst);
+        break;
+      default:
+        dequantize_row<V, BITS, ST, 4>(p, n, dst);
+    }
+  }
+  // Rows of x in tiles of at most MB, as even as they go (direct's).
+  const int passes = (m1 - m0 + MB - 1) / MB;
   for (int nb = n0; nb < n1; nb += NB) {
     const float* w = scratch + size_t(nb - n0) * K;
-    for (int mb = m0; mb < m1; mb += MB) {
-      const int rows = m1 - mb < MB ? m1 - mb : MB;
+    for (int mb = m0, left = passes; mb < m1; --left) {
+      const int rows = (m1 - mb + left - 1) / left;
       const float* x = p.x + size_t(mb) * K;
       float* out = p.out + size_t(mb) * p.N + nb;
+      mb += rows;
       if (nb + NB <= n1) {
         tile_rows<V, NB, MB>(rows, x, K, w, K, out, p.N);
         continue;
