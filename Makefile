@@ -55,13 +55,16 @@ $(VENV)/.test-setup: $(VENV)/.setup $(VENV)/.native
 
 # llama.cpp's server for `kvmux bench peers`, built from llama-cpp-python's
 # source distribution (cmake and g++: ~7 minutes on 2 cores), and the same
-# llama.cpp built for AVX2 alone, the peer of the benches' haswell family
-# (scripts/llama-cpp-avx2: ~4 minutes more); the benches' alone, never the
-# daemon's.
-$(VENV)/.peers-setup: $(VENV)/.test-setup scripts/llama-cpp-avx2
+# llama.cpp built again as the benches run it (scripts/llama-cpp-build:
+# ~4 minutes each): for AVX2 alone, the peer of the haswell family, and
+# where the CPU has AVX-512, for it without AMX (llama.cpp's AMX path
+# crashed on these machines), the peer of the native family and of `bench
+# peers`; the benches' alone, never the daemon's.
+$(VENV)/.peers-setup: $(VENV)/.test-setup scripts/llama-cpp-build
 	@scripts/system-deps --build
 	@$(PIP) install -e '.[worker,bench,http,test,peers]'
-	@scripts/llama-cpp-avx2 $(BIN)/python $(VENV)/llama-cpp-avx2
+	@scripts/llama-cpp-build $(BIN)/python $(VENV)/llama-cpp-avx2 avx2
+	@if grep -qw avx512f /proc/cpuinfo; then scripts/llama-cpp-build $(BIN)/python $(VENV)/llama-cpp-avx512 avx512; fi
 	@touch $@
 
 bench-peers: $(VENV)/.peers-setup

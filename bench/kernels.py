@@ -3,13 +3,16 @@ loads, from the CPU or OPENBLAS_CORETYPE, so each family is measured by a
 run of the same bench command in a child process of its own (its daemons
 inherit the family), and one report holds a column per family.
 
-- native: the CPU's own kernels (AVX-512 ones where the CPU has them);
+- native: the CPU's own kernels (AVX-512 ones where the CPU has them),
+  and the peer llama.cpp's built for AVX-512 without AMX where `make
+  .venv/.peers-setup` built it (llama.cpp's AMX path, which
+  llama-cpp-python's own -march=native build takes, crashed here);
 - haswell: AVX2 kernels, forced: OpenBLAS's (OPENBLAS_CORETYPE) and
   kvmux's CPU kernel's (KVMUX_CPU_KERNEL, `--cpu-kernel`): what a CPU
   without AVX-512 runs (docs/design.md, "Batch invariance"); and the peer
-  llama.cpp's, where `make .venv/.peers-setup` built it for AVX2 alone
-  (scripts/llama-cpp-avx2; llama-cpp-python's own build is for this CPU).
-  Each report says which instruction sets its llama.cpp ran.
+  llama.cpp's, built for AVX2 alone.
+Both builds are scripts/llama-cpp-build's; each report says which
+instruction sets its llama.cpp ran.
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ import typer
 from .report import ReportWriter, load
 
 FAMILIES = {"native": {}, "haswell": {"OPENBLAS_CORETYPE": "Haswell", "KVMUX_CPU_KERNEL": "avx2"}}
-LLAMA_CPP_AVX2 = Path(sys.prefix) / "llama-cpp-avx2"  # the haswell family's llama.cpp, where built
+# Each family's llama.cpp, where `make .venv/.peers-setup` built it
+# (scripts/llama-cpp-build): AVX2 alone; AVX-512 without AMX.
+LLAMA_CPP_BUILDS = {"native": Path(sys.prefix) / "llama-cpp-avx512", "haswell": Path(sys.prefix) / "llama-cpp-avx2"}
+
+
+def llama_cpp_lib(family: str) -> str | None:
+    """The directory of the family's own llama.cpp build (None: llama-cpp-python's own)."""
+    built = LLAMA_CPP_BUILDS[family]
+    return str(built) if built.is_dir() else None
+
+
 CHILD = "KVMUX_BENCH_KERNELS"  # set in a child run: the family it measures
 
 
@@ -52,8 +65,8 @@ def run_each(bench: str, families: list[str], output: Path, config: dict) -> dic
         for name in ("OPENBLAS_CORETYPE", "KVMUX_CPU_KERNEL", "LLAMA_CPP_LIB_PATH"):
             env.pop(name, None)
         env.update(FAMILIES[family])
-        if family == "haswell" and LLAMA_CPP_AVX2.is_dir():
-            env["LLAMA_CPP_LIB_PATH"] = str(LLAMA_CPP_AVX2)
+        if lib := llama_cpp_lib(family):
+            env["LLAMA_CPP_LIB_PATH"] = lib
         part = output.with_name(f"{output.stem}-{family}{output.suffix}")
         typer.echo(f"{bench}: kernels {family}", err=True)
         done = subprocess.run(

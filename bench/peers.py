@@ -45,6 +45,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import spawn
+from .kernels import llama_cpp_lib
 from .report import ReportWriter, percentile
 from .soak import message
 
@@ -158,7 +159,10 @@ def llama_cpp_server(gguf: Path, n_ctx: int):
     port = _free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
     cmd += ["--n_ctx", str(n_ctx), "--n_threads", str(os.cpu_count() or 1), "--verbose", "False"]
-    return openai_server("llama.cpp server", cmd, port, dict(os.environ))
+    env = dict(os.environ)
+    if lib := llama_cpp_lib("native"):  # AVX-512 without AMX, where built
+        env["LLAMA_CPP_LIB_PATH"] = lib
+    return openai_server("llama.cpp server", cmd, port, env)
 
 
 def peer_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[str, int]:
