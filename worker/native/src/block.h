@@ -97,8 +97,42 @@ inline typename V::vec table_of(const typename V::vec& s, const typename V::vec&
   }
 }
 
+// A group's 32-weight steps (its size / 32) as a type: by_group's.
+template <int N>
+struct Steps {
+  static constexpr int value = N;
+};
+
+// f(Steps<group / 32>{}) for the model's group size (32, 64 or 128, as
+// check_quantized allows): the loops over groups take their steps as a
+// constant, so a group of 32 is one step with no inner loop to run.
+template <class F>
+inline void by_group(int group, F&& f) {
+  switch (group) {
+    case 32:
+      return f(Steps<1>{});
+    case 64:
+      return f(Steps<2>{});
+    default:
+      return f(Steps<4>{});
+  }
+}
+
+// f(m, rows) over rows m0..m1 of x in passes of at most `most` rows, as
+// even as they go (9 rows in 3, 3 and 3 where `most` is 4, not 4, 4 and
+// 1: a pass dequantizes its block again, or loads its weight vectors
+// again, and one of a single row pays that for little).
+template <class F>
+inline void even_passes(int m0, int m1, int most, F&& f) {
+  for (int m = m0, left = (m1 - m0 + most - 1) / most; m < m1; --left) {
+    const int rows = (m1 - m + left - 1) / left;
+    f(m, rows);
+    m += rows;
+  }
+}
+
 // Row n of W dequantized into dst (K floats, in the kernel's order);
-// STEPS as direct_rows'.
+// STEPS: by_group's.
 template <class V, int BITS, kvmux_native::ScaleType ST, int STEPS>
 void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
   const int K = p.K, groups = K / (32 * STEPS);
@@ -137,8 +171,7 @@ constexpr int AHEAD = 1;
 
 // MB rows of x from m0 against the NB weight rows `rows` (their scales
 // and biases as floats, `groups` apart), written to out's columns nb..nb + nn.
-// STEPS: a group's 32-weight steps (its size / 32), a constant, so that
-// the loop over groups has no inner loop of its own to run.
+// STEPS: by_group's.
 template <class V, int BITS, int STEPS, int NB, int MB>
 inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
                         const float* bias, int nb, int nn, int m0) {
@@ -183,20 +216,15 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       p.out[size_t(m0 + i) * p.N + nb + j] = V::hsum(acc[i][j]);
 }
 
-// direct_rows of `take` (1..MB) rows of x, for the model's group size (32, 64 or 128).
+// direct_rows of `take` (1..MB) rows of x.
 template <class V, int BITS, int NB, int MB>
 inline void direct_pass(int take, const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
                         const float* bias, int nb, int nn, int m0) {
   if constexpr (MB > 1)
     if (take < MB) return direct_pass<V, BITS, NB, MB - 1>(take, p, rows, scale, bias, nb, nn, m0);
-  switch (p.group) {
-    case 32:
-      return direct_rows<V, BITS, 1, NB, MB>(p, rows, scale, bias, nb, nn, m0);
-    case 64:
-      return direct_rows<V, BITS, 2, NB, MB>(p, rows, scale, bias, nb, nn, m0);
-    default:
-      return direct_rows<V, BITS, 4, NB, MB>(p, rows, scale, bias, nb, nn, m0);
-  }
+  by_group(p.group, [&](auto steps) {
+    direct_rows<V, BITS, decltype(steps)::value, NB, MB>(p, rows, scale, bias, nb, nn, m0);
+  });
 }
 
 // Rows m0..m1 of x by weight rows n0..n1, NB weight rows at a time, each
@@ -221,15 +249,9 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
       to_floats<V, ST>(p.scales, size_t(n) * groups, groups, scale + size_t(j) * groups);
       to_floats<V, ST>(p.biases, size_t(n) * groups, groups, bias + size_t(j) * groups);
     }
-    // Rows of x in passes of at most CHUNK, as even as they go (9 rows
-    // in 3, 3 and 3 where CHUNK is 4, not 4, 4 and 1: a pass dequantizes
-    // the block again, and one of a single row pays that for little).
-    const int passes = (m1 - m0 + CHUNK - 1) / CHUNK;
-    for (int m = m0, left = passes; m < m1; --left) {
-      const int take = (m1 - m + left - 1) / left;
+    even_passes(m0, m1, CHUNK, [&](int m, int take) {
       direct_pass<V, BITS, NB, CHUNK>(take, p, rows, scale, bias, nb, nn, m);
-      m += take;
-    }
+    });
   }
 }
 
@@ -292,35 +314,22 @@ void tile_rows(int rows, const float* x, int ldx, const float* w, int K, float* 
 template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
 void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   const int K = p.K;
-  for (int n = n0; n < n1; ++n) {
-    float* dst = scratch + size_t(n - n0) * K;
-    switch (p.group) {
-      case 32:
-        dequantize_row<V, BITS, ST, 1>(p, n, dst);
-        break;
-      case 64:
-        dequantize_row<V, BITS, ST, 2>(p, n, dst);
-        break;
-      default:
-        dequantize_row<V, BITS, ST, 4>(p, n, dst);
-    }
-  }
-  // Rows of x in tiles of at most MB, as even as they go (direct's).
-  const int passes = (m1 - m0 + MB - 1) / MB;
+  by_group(p.group, [&](auto steps) {
+    for (int n = n0; n < n1; ++n)
+      dequantize_row<V, BITS, ST, decltype(steps)::value>(p, n, scratch + size_t(n - n0) * K);
+  });
   for (int nb = n0; nb < n1; nb += NB) {
     const float* w = scratch + size_t(nb - n0) * K;
-    for (int mb = m0, left = passes; mb < m1; --left) {
-      const int rows = (m1 - mb + left - 1) / left;
+    even_passes(m0, m1, MB, [&](int mb, int rows) {
       const float* x = p.x + size_t(mb) * K;
       float* out = p.out + size_t(mb) * p.N + nb;
-      mb += rows;
       if (nb + NB <= n1) {
         tile_rows<V, NB, MB>(rows, x, K, w, K, out, p.N);
-        continue;
+        return;
       }
       for (int j = 0; nb + j < n1; ++j)  // the last weight rows, fewer than NB
         tile_rows<V, 1, MB>(rows, x, K, w + size_t(j) * K, K, out + j, p.N);
-    }
+    });
   }
 }
 
