@@ -32,12 +32,20 @@ inline float scale_at(const void* base, size_t i) {
 }
 
 // `count` scales (or biases) from `first` on, as floats: 16 float16 at a
-// time where the instruction set converts them (V::halves16).
+// time where the instruction set converts them (V::halves16), a row's
+// last few as its last 16 (those before them converted again, to the
+// same values: a row of 576 weights has 18 groups of 32), not one by one.
 template <class V, kvmux_native::ScaleType ST>
 inline void to_floats(const void* base, size_t first, int count, float* out) {
   int i = 0;
-  if constexpr (ST == kvmux_native::ScaleType::float16)
-    for (; i + 16 <= count; i += 16) V::halves16(static_cast<const uint16_t*>(base) + first + i, out + i);
+  if constexpr (ST == kvmux_native::ScaleType::float16) {
+    const uint16_t* from = static_cast<const uint16_t*>(base) + first;
+    for (; i + 16 <= count; i += 16) V::halves16(from + i, out + i);
+    if (i < count && count >= 16) {
+      V::halves16(from + count - 16, out + count - 16);
+      return;
+    }
+  }
   for (; i < count; ++i) out[i] = scale_at<V, ST>(base, first + i);
 }
 
