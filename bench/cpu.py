@@ -22,7 +22,11 @@ side in one run:
 - vs_glibc_malloc: the same decode on a daemon whose worker runs without
   jemalloc (KVMUX_NO_JEMALLOC=1: glibc's allocator; worker/preload.py),
   where jemalloc is installed;
-- memory: each daemon's worker's resident set after its runs.
+- vs_small_pages: the same decode on a daemon whose worker's heap stays
+  on 4 KB pages (KVMUX_NO_HUGE_PAGES=1; worker/preload.py), where the
+  kernel gives huge pages on request (THP mode "madvise");
+- memory: each daemon's worker's resident set after its runs, and how
+  much of it is in huge pages.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvmux.client import Client
-from kvmux.worker.preload import jemalloc_path
+from kvmux.worker.preload import huge_pages_mb, jemalloc_path, thp_mode
 
 from . import spawn
 from .peers import rss_kb
@@ -187,22 +191,24 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         spawn.daemon(workers=1, slabs=2, model=model_path, serve_args=("--cpu-kernel", "off")) as off_daemon,
         Client(kernel_daemon.frontend, timeout=600) as kernel,
         Client(off_daemon.frontend, timeout=600) as off,
-        _glibc_malloc_client(model_path) as glibc_malloc,
+        _variant_client(model_path, {"KVMUX_NO_JEMALLOC": "1"}, jemalloc_path() is not None) as glibc_malloc,
+        _variant_client(model_path, {"KVMUX_NO_HUGE_PAGES": "1"}, thp_mode() == "madvise") as small_pages,
     ):
         workers = {"kernel": kernel.stats().workers[0], "float32": off.stats().workers[0]}
-        if glibc_malloc is not None:
-            workers["glibc_malloc"] = glibc_malloc.stats().workers[0]
+        variants = {"glibc_malloc": glibc_malloc, "small_pages": small_pages}
+        workers |= {name: c.stats().workers[0] for name, c in variants.items() if c is not None}
         doc["compute"] = {name: w.compute.kernel for name, w in workers.items()}
-        vs_llama, vs_off, vs_glibc, prefill = [], [], [], []
+        vs_llama, vs_off, prefill = [], [], []
+        vs_variant: dict[str, list] = {name: [] for name, c in variants.items() if c is not None}
         last: dict = {}
         for _ in range(repeats):
             if llama:
                 last["llama_cpp"] = llama_cpp_decode(model_path, story_ids, tokens, threads)
             last["kvmux"] = decode(kernel)
             last["float32"] = decode(off)
-            if glibc_malloc is not None:
-                last["glibc_malloc"] = decode(glibc_malloc)
-                vs_glibc.append((last["glibc_malloc"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
+            for name, pairs in vs_variant.items():
+                last[name] = decode(variants[name])
+                pairs.append((last[name]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
             if llama:
                 vs_llama.append((last["llama_cpp"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
             vs_off.append((last["float32"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
@@ -211,7 +217,8 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         progress.close()
         doc["vs_llama_cpp_decode"] = ratio_summary(vs_llama) if llama else None
         doc["vs_float32_decode"] = ratio_summary(vs_off)
-        doc["vs_glibc_malloc_decode"] = ratio_summary(vs_glibc) if vs_glibc else None
+        for name in variants:
+            doc[f"vs_{name}_decode"] = ratio_summary(vs_variant[name]) if name in vs_variant else None
         doc["vs_float32_prefill_1000"] = ratio_summary(prefill)
         doc["same_tokens_as_float32"] = last["kvmux"]["token_ids"] == last["float32"]["token_ids"]
         if llama:
@@ -219,18 +226,21 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
             doc["llama_cpp_rss_mb"] = round(last["llama_cpp"]["rss_kb"] / 1024, 1)
             doc["llama_cpp_system_info"] = last["llama_cpp"]["system_info"]
         doc["worker_rss_mb"] = {name: round(rss_kb(w.pid) / 1024, 1) for name, w in workers.items()}
+        doc["worker_huge_pages_mb"] = {name: huge_pages_mb(w.pid) for name, w in workers.items()}
     return doc
 
 
 @contextlib.contextmanager
-def _glibc_malloc_client(model_path: str) -> Iterator[Client | None]:
-    """A client of a daemon whose worker runs on glibc's allocator; None
-    where jemalloc is not installed (the kernel's daemon runs so already)."""
-    if jemalloc_path() is None:
+def _variant_client(model_path: str, env: dict[str, str], wanted: bool) -> Iterator[Client | None]:
+    """A client of a daemon whose worker runs with `env` (glibc's
+    allocator, small pages); None where the difference does not exist
+    here (`wanted` false: no jemalloc to leave out, no huge pages to ask
+    for)."""
+    if not wanted:
         yield None
         return
     with (
-        spawn.daemon(workers=1, slabs=2, model=model_path, env={"KVMUX_NO_JEMALLOC": "1"}) as daemon,
+        spawn.daemon(workers=1, slabs=2, model=model_path, env=env) as daemon,
         Client(daemon.frontend, timeout=600) as client,
     ):
         yield client
@@ -245,8 +255,9 @@ def ratios(doc: dict) -> dict:
     }
     if doc["vs_llama_cpp_decode"]:
         out["cpu_decode_vs_llama_cpp"] = doc["vs_llama_cpp_decode"]["median"]
-    if doc.get("vs_glibc_malloc_decode"):
-        out["cpu_decode_vs_glibc_malloc"] = doc["vs_glibc_malloc_decode"]["median"]
+    for name in ("glibc_malloc", "small_pages"):
+        if doc.get(f"vs_{name}_decode"):
+            out[f"cpu_decode_vs_{name}"] = doc[f"vs_{name}_decode"]["median"]
     if "vs_copy_bandwidth" in doc["kernel"]:
         out["cpu_kernel_gb_per_s_vs_copy"] = doc["kernel"]["vs_copy_bandwidth"]
     return out

@@ -104,8 +104,9 @@ class LocalWorkers:
     def env(self) -> dict[str, str]:
         """Each worker's BLAS and CPU kernel get its share of the cores: N pools of one
         thread per core would oversubscribe the machine N times. OpenBLAS and
-        jemalloc are preloaded here (worker/preload.py) so the worker need not
-        re-execute itself to get them."""
+        jemalloc are preloaded here, with the heap's huge pages asked for
+        (worker/preload.py), so the worker need not re-execute itself to
+        get them."""
         env = dict(os.environ)
         processes = max(1, sum(s.model.spec.pipeline or self.cfg.pipeline for s in self.slots))
         share = str(max(1, (os.cpu_count() or 1) // processes))

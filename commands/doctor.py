@@ -60,7 +60,7 @@ def doctor(
 ) -> None:
     """Check the installation and the running daemon; exit 1 if something is wrong."""
     from kvmux.broker.cli import format_compute, format_models
-    from kvmux.worker.preload import cpu_flags, jemalloc_path, mapped, openblas_path, preloaded
+    from kvmux.worker.preload import cpu_flags, huge_pages_mb, jemalloc_path, mapped, openblas_path, preloaded, thp_mode
 
     ok = True
 
@@ -107,6 +107,11 @@ def doctor(
         line("openblas", lib or "missing: apt-get install libopenblas0-pthread", lib is not None)
         allocator = jemalloc_path()  # a few % of decode where missing: not a fault
         line("jemalloc", allocator or "missing (glibc's malloc, ~4 % slower decode): apt-get install libjemalloc2")
+        mode = thp_mode()  # "never": the heap stays on 4 KB pages, a little slower decode; not a fault
+        line(
+            "huge pages",
+            f"transparent huge pages: {mode}" + (" (the worker's heap stays on 4 KB pages)" if mode == "never" else ""),
+        )
         coretype = os.environ.get("OPENBLAS_CORETYPE")
         line("cpu flags", " ".join(cpu_flags()) + (f" (OPENBLAS_CORETYPE={coretype} here)" if coretype else ""))
     line("runtime dir", str(runtime_dir()))
@@ -128,6 +133,7 @@ def doctor(
         if platform.system() == "Linux" and w.host == local:
             blas = "OpenBLAS preloaded" if preloaded(w.pid) else "OpenBLAS NOT preloaded (slow BLAS)"
             blas += ", jemalloc" if mapped("libjemalloc", w.pid) else ""
+            blas += f", {huge_pages_mb(w.pid) or 0} MB in huge pages"
             line(f"worker {w.worker_id}", f"{w.model}, {w.slabs_used}/{w.slabs_total} slabs, {blas}", preloaded(w.pid))
         else:
             line(f"worker {w.worker_id}", f"{w.model} on {w.host}, {w.slabs_used}/{w.slabs_total} slabs")

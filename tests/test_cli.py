@@ -22,6 +22,7 @@ def test_doctor_sees_the_daemon_and_the_worker_preloads(shared_stack):
     assert "embedded model" in out.stdout and "1 workers" in out.stdout
     if sys.platform.startswith("linux"):  # the worker re-executed itself with them
         assert "OpenBLAS preloaded" + (", jemalloc" if jemalloc_path() else "") in out.stdout, out.stdout
+        assert "MB in huge pages" in out.stdout and "huge pages             transparent huge pages:" in out.stdout
 
 
 def test_doctor_fails_without_a_daemon(tmp_path):

@@ -9,8 +9,17 @@ of 48 interleaved pairs of daemons, 37 in its favour, 2026-11-27; the
 bench: `kvmux bench perf --only cpu`'s vs_glibc_malloc).
 LD_PRELOAD only works from process start, so a worker not started by
 `kvmux serve` (which preloads both) re-executes itself once.
-KVMUX_NO_OPENBLAS=1 and KVMUX_NO_JEMALLOC=1 leave either out (to measure
-the difference, say).
+
+The worker's heap goes in transparent huge pages, asked for by its
+allocator's own switch (JEMALLOC_HUGE_PAGES, or GLIBC_HUGE_PAGES where
+glibc's malloc serves it: madvise either way): a decode step streams
+~100 MB of weights and, at a full window, ~50 MB of keys and values, and
+on 4 KB pages the TLB misses every 4 KB of it (bench perf --only cpu's
+vs_small_pages). Where the kernel's THP mode is "never" the switch does
+nothing; a MALLOC_CONF or GLIBC_TUNABLES already set is left as it is.
+
+KVMUX_NO_OPENBLAS=1, KVMUX_NO_JEMALLOC=1 and KVMUX_NO_HUGE_PAGES=1 leave
+either out (to measure the difference, say).
 """
 
 from __future__ import annotations
@@ -53,6 +62,13 @@ def jemalloc_path() -> str | None:
     return _installed(JEMALLOC_CANDIDATES)
 
 
+# Read at process start, like LD_PRELOAD: jemalloc's switch, and glibc's
+# where its malloc serves the worker, for madvise(MADV_HUGEPAGE) on the
+# memory they map.
+JEMALLOC_HUGE_PAGES = ("MALLOC_CONF", "thp:always")
+GLIBC_HUGE_PAGES = ("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+
+
 def worker_preloads(env: Mapping[str, str] = os.environ) -> list[str]:
     """The libraries a worker runs with preloaded (those installed and not opted out)."""
     libs = [] if env.get("KVMUX_NO_OPENBLAS") else [openblas_path()]
@@ -61,10 +77,21 @@ def worker_preloads(env: Mapping[str, str] = os.environ) -> list[str]:
 
 
 def with_preloads(env: dict[str, str]) -> dict[str, str]:
-    """`env` with the worker's preloads first in its LD_PRELOAD."""
+    """`env` with the worker's preloads first in its LD_PRELOAD, and on
+    Linux its allocator's switch for huge pages (left out, also where a
+    parent process's was inherited, with KVMUX_NO_HUGE_PAGES=1)."""
     asked = env.get("LD_PRELOAD", "")
-    missing = [lib for lib in worker_preloads(env) if lib not in asked]
-    return dict(env, LD_PRELOAD=" ".join(filter(None, [*missing, asked]))) if missing else env
+    libs = worker_preloads(env)
+    missing = [lib for lib in libs if lib not in asked]
+    out = dict(env, LD_PRELOAD=" ".join(filter(None, [*missing, asked]))) if missing else dict(env)
+    if sys.platform.startswith("linux") and env.get("KVMUX_NO_HUGE_PAGES"):
+        for key, value in (JEMALLOC_HUGE_PAGES, GLIBC_HUGE_PAGES):
+            if out.get(key) == value:
+                del out[key]
+    elif sys.platform.startswith("linux"):
+        key, value = JEMALLOC_HUGE_PAGES if jemalloc_path() in libs else GLIBC_HUGE_PAGES
+        out.setdefault(key, value)
+    return out
 
 
 def mapped(lib: str, pid: int | str = "self") -> bool:
@@ -75,6 +102,26 @@ def mapped(lib: str, pid: int | str = "self") -> bool:
         return Path(lib).name.split(".so")[0] in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return False
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never;
+    None off Linux)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), None)
+
+
+def huge_pages_mb(pid: int | str = "self") -> int | None:
+    """MB of the process's memory in transparent huge pages (Linux)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    kb = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("AnonHugePages:")), None)
+    return None if kb is None else kb // 1024
 
 
 def preloaded(pid: int | str = "self") -> bool:
