@@ -20,7 +20,7 @@ import pytest
 from conftest import STARTUP_TIMEOUT_S, broker_stats, kvmux_command
 
 from kvmux.client import Client, Forbidden, Overloaded
-from kvmux.worker.preload import huge_pages_mb, mapped, thp_mode, worker_preloads
+from kvmux.worker.preload import huge_pages_mb, mapped, thp_defrag, thp_mode, worker_preloads
 
 pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
 
@@ -91,8 +91,11 @@ def test_serve_with_local_workers_drains_on_the_drain_op():
         assert stats.workers[0].worker_id == "local-0"
         preloads = worker_preloads()  # serve's own: the worker does not re-execute
         assert all(mapped(lib, worker_pid) for lib in preloads), preloads
-        if thp_mode() in ("always", "madvise"):  # and its heap in huge pages, asked for by its allocator
-            assert huge_pages_mb(worker_pid), (runtime / "serve.log").read_text()
+        if not os.environ.get("KVMUX_NO_HUGE_PAGES"):  # its allocator's switch for huge pages, and the pages
+            environ = Path(f"/proc/{worker_pid}/environ").read_bytes().split(b"\0")
+            assert any(e.startswith((b"MALLOC_CONF=", b"GLIBC_TUNABLES=")) for e in environ)
+            if thp_mode() in ("always", "madvise") and thp_defrag() != "never":  # given at the fault
+                assert huge_pages_mb(worker_pid), (runtime / "serve.log").read_text()
         assert stat.S_IMODE(rt.stat().st_mode) == 0o700
 
         with Client(endpoint, timeout=10) as client:

@@ -107,8 +107,18 @@ def mapped(lib: str, pid: int | str = "self") -> bool:
 def thp_mode() -> str | None:
     """The kernel's transparent huge page mode (always, madvise or never;
     None off Linux)."""
+    return _thp_setting("enabled")
+
+
+def thp_defrag() -> str | None:
+    """When the kernel compacts memory to give a huge page (never: only
+    khugepaged, later)."""
+    return _thp_setting("defrag")
+
+
+def _thp_setting(name: str) -> str | None:
     try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
     except OSError:
         return None
     return next((w.strip("[]") for w in text.split() if w.startswith("[")), None)
