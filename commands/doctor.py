@@ -110,7 +110,8 @@ def doctor(
         mode = thp_mode()  # "never": the heap stays on 4 KB pages, a little slower decode; not a fault
         line(
             "huge pages",
-            f"transparent huge pages: {mode}" + (" (the worker's heap stays on 4 KB pages)" if mode == "never" else ""),
+            f"transparent huge pages: {mode or 'not offered by this kernel'}"
+            + (" (the worker's heap stays on 4 KB pages)" if mode in (None, "never") else ""),
         )
         coretype = os.environ.get("OPENBLAS_CORETYPE")
         line("cpu flags", " ".join(cpu_flags()) + (f" (OPENBLAS_CORETYPE={coretype} here)" if coretype else ""))

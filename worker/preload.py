@@ -19,7 +19,7 @@ vs_small_pages). Where the kernel's THP mode is "never" the switch does
 nothing; a MALLOC_CONF or GLIBC_TUNABLES already set is left as it is.
 
 KVMUX_NO_OPENBLAS=1, KVMUX_NO_JEMALLOC=1 and KVMUX_NO_HUGE_PAGES=1 leave
-either out (to measure the difference, say).
+each out (to measure the difference, say).
 """
 
 from __future__ import annotations

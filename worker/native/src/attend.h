@@ -463,7 +463,7 @@ void lane_tiles(const float* A, size_t as, size_t ks, const float* B, size_t ldb
 // C (M x 16 QV) = A (M x K, strides as, ks) times B (K x 16 QV), ROWS
 // rows of C at a time, then 4, then the rest one by one. AVX2 takes 6
 // (12 sums in its 16 registers beside B's vector and A's broadcast: a
-// 16-row chunk's item 9 % faster than at 4; 7 and 8 spill, and were
+// 16-row chunk's item 5-9 % faster than at 4; 7 and 8 spill, and were
 // slower); AVX-512's 4 x 4 vectors measured the same as 8 x 3.
 template <class L>
 void lane_product(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int M, int K,
