@@ -138,7 +138,7 @@ BlockFn block_avx512();
 
 // Rows of x each kernel computes straight from the codes (more go through
 // a scratch of dequantized rows): its registers hold the accumulators of
-// 4 rows of x by 4 weight rows on AVX-512 and 2 by 1 on AVX2 (V::CHUNK,
+// 6 rows of x by 4 weight rows on AVX-512 and 4 by 1 on AVX2 (V::CHUNK,
 // V::IN_FLIGHT), and a block of weight rows meets every row of x in turn
 // while its codes are in L1, so its bytes are read once (block.h's direct).
 // On AVX-512 a verify pass (up to 17 rows) and 32 sessions' step stay
