@@ -7,7 +7,8 @@
 // V provides: vec, PARTS (registers a vec is made of: where more than one,
 // part, load_part(p), fma_part(a, b, c) and part_of(v, h), a reference to
 // its h-th register), IN_FLIGHT and CHUNK (direct's weight rows and rows
-// of x at a time: what its registers hold), zero(), set1(f), load(p), store(p, v), fma(a, b, c)
+// of x at a time: what its registers hold), ONE_ROW_IN_FLIGHT (its weight
+// rows at a time for one row of x), zero(), set1(f), load(p), store(p, v), fma(a, b, c)
 // (a * b + c, one rounding), hsum(v) (the fixed tree of kernels.h),
 // codes4(p, even, odd) (32 4-bit codes from 16 bytes), codes8(p) (16 8-bit codes) and
 // half(h) (a float16's bits to float), halves16(p, out) (16 of them).
@@ -203,6 +204,20 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       // prefetchers follow a row's stream, not the jump to the next rows.
       if ((k * BITS / 8) % 64 == 0)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(rows[j] + AHEAD * NB * row_bytes + k * BITS / 8);
+      if constexpr (MB == 1) {
+        // One row of x (a decode step): each weight row's vectors are
+        // used as they are made, so that AVX2's 16 registers hold four
+        // rows' sums (four chains of multiply-adds in flight, not one).
+        const auto xlo = V::load(x + k), xhi = V::load(x + k + 16);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+          typename V::vec lo, hi;
+          weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo, hi);
+          acc[0][j] = V::fma(xlo, lo, acc[0][j]);
+          acc[0][j] = V::fma(xhi, hi, acc[0][j]);
+        }
+        continue;
+      }
       typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
@@ -342,12 +357,14 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
 }
 
 // Rows m0..m1 of x by rows n0..n1 of W: up to DIRECT rows of x straight
-// from the codes (V::IN_FLIGHT weight rows by V::CHUNK rows of x at a time),
+// from the codes (V::IN_FLIGHT weight rows by V::CHUNK rows of x at a time,
+// V::ONE_ROW_IN_FLIGHT weight rows where x is one row),
 // more through the scratch (the weights dequantized once for all of them)
 // in tiles of NB weight rows by MB rows of x: the same products and sums
 // either way.
 template <class V, int BITS, kvmux_native::ScaleType ST, int DIRECT, int NB, int MB>
 void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
+  if (m1 - m0 == 1) return direct<V, BITS, ST, V::ONE_ROW_IN_FLIGHT, 1>(p, n0, n1, m0, m1);
   if (m1 - m0 <= DIRECT) return direct<V, BITS, ST, V::IN_FLIGHT, V::CHUNK>(p, n0, n1, m0, m1);
   scratch_block<V, BITS, ST, NB, MB>(p, n0, n1, m0, m1, scratch);
 }

@@ -35,6 +35,9 @@ struct V {
   // of x (8 sums' registers) do not spill, and 3 or 4 rows' products run
   // in one pass (~12-15 % faster than 2 + 1 and 2 + 2).
   static constexpr int IN_FLIGHT = 1, CHUNK = 4;
+  // One row of x (a decode step): four weight rows, their sums 8
+  // registers, each row's weights used as they are made (kernels.h).
+  static constexpr int ONE_ROW_IN_FLIGHT = 4;
   using part = __m256;
   // In a register: the compiler would fold the load into each FMA that
   // uses it (one load per weight row), and the loads bound the loop.

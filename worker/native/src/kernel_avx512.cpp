@@ -20,6 +20,7 @@ struct V {
   // take 2 and 3 passes, not 3 and 5: their products ~12-15 % faster
   // (products alone, Intel Xeon); 8 rows stay 4 + 4.
   static constexpr int IN_FLIGHT = 4, CHUNK = 6;
+  static constexpr int ONE_ROW_IN_FLIGHT = 4;
   static float half(uint16_t h) { return _cvtsh_ss(h); }
   static void halves16(const uint16_t* p, float* out) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));

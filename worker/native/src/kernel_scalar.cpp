@@ -14,6 +14,7 @@ namespace scalar {
 struct V {
   static constexpr int PARTS = 1;  // one register a vector
   static constexpr int IN_FLIGHT = 1, CHUNK = 1;  // block.h's direct: weight rows by rows of x at a time
+  static constexpr int ONE_ROW_IN_FLIGHT = 1;
   static constexpr bool TABLE4 = false;
   static float half(uint16_t h) { return kvmux_native::half_to_float(h); }
   static void halves16(const uint16_t* p, float* out) {

@@ -139,8 +139,12 @@ BlockFn block_avx512();
 // Rows of x each kernel computes straight from the codes (more go through
 // a scratch of dequantized rows): its registers hold the accumulators of
 // 6 rows of x by 4 weight rows on AVX-512 and 4 by 1 on AVX2 (V::CHUNK,
-// V::IN_FLIGHT), and a block of weight rows meets every row of x in turn
-// while its codes are in L1, so its bytes are read once (block.h's direct).
+// V::IN_FLIGHT; one row of x by 4 weight rows on both, ONE_ROW_IN_FLIGHT:
+// on AVX2 a decode step's products 7.2 against 11.5 ms with one weight
+// row, whose two chains of multiply-adds bound the loop, and whose row
+// of 576 weights paid its set-up for 18 groups), and a block of weight
+// rows meets every row of x in turn while its codes are in L1, so its
+// bytes are read once (block.h's direct).
 // On AVX-512 a verify pass (up to 17 rows) and 32 sessions' step stay
 // direct: 49.9 against 37.8 GMAC/s for 17 rows through the scratch (one
 // thread, a 64 x 1536 block in L2, Intel Xeon with AVX-512).
