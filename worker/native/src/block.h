@@ -217,6 +217,20 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
           acc[0][j] = V::fma(xhi, hi, acc[0][j]);
         }
         continue;
+      } else if constexpr (V::PARTS > 1) {
+        // AVX2: the same, each x vector loaded where it is used (from
+        // L1), so that two weight rows' sums fit beside their weights.
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) {
+          typename V::vec lo, hi;
+          weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo, hi);
+#pragma GCC unroll 8
+          for (int i = 0; i < MB; ++i) {
+            acc[i][j] = V::fma(V::load(x + size_t(i) * K + k), lo, acc[i][j]);
+            acc[i][j] = V::fma(V::load(x + size_t(i) * K + k + 16), hi, acc[i][j]);
+          }
+        }
+        continue;
       }
       typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8

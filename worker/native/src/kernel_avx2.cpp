@@ -29,14 +29,15 @@ struct V {
     __m256 lo, hi;
   };
   static constexpr int PARTS = 2;
-  // block.h's direct: weight rows by rows of x at a time. With two weight
-  // rows the compiler spilled sums to the stack, a store and a load in
-  // each sum's chain (a decode step's products ~30 % slower); four rows
-  // of x (8 sums' registers) do not spill, and 3 or 4 rows' products run
-  // in one pass (~12-15 % faster than 2 + 1 and 2 + 2).
-  static constexpr int IN_FLIGHT = 1, CHUNK = 4;
+  // block.h's direct: weight rows by rows of x at a time, each weight
+  // row's vectors used as they are made (16 registers: 2 x 2 sums of two
+  // registers each, beside a row's weights). A pass of 2 rows 9.5-11.2
+  // against 13.3-15.4 ms for a step's products with one weight row by
+  // up to 4 rows of x; 3 and 4 rows as fast either way; 2 weight rows by
+  // 3 or 4 rows of x spilled sums to the stack and ran ~1.5x longer.
+  static constexpr int IN_FLIGHT = 2, CHUNK = 2;
   // One row of x (a decode step): four weight rows, their sums 8
-  // registers, each row's weights used as they are made (kernels.h).
+  // registers (kernels.h).
   static constexpr int ONE_ROW_IN_FLIGHT = 4;
   using part = __m256;
   // In a register: the compiler would fold the load into each FMA that
