@@ -204,22 +204,11 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       // prefetchers follow a row's stream, not the jump to the next rows.
       if ((k * BITS / 8) % 64 == 0)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(rows[j] + AHEAD * NB * row_bytes + k * BITS / 8);
-      if constexpr (MB == 1) {
-        // One row of x (a decode step): each weight row's vectors are
-        // used as they are made, so that AVX2's 16 registers hold four
-        // rows' sums (four chains of multiply-adds in flight, not one).
-        const auto xlo = V::load(x + k), xhi = V::load(x + k + 16);
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) {
-          typename V::vec lo, hi;
-          weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo, hi);
-          acc[0][j] = V::fma(xlo, lo, acc[0][j]);
-          acc[0][j] = V::fma(xhi, hi, acc[0][j]);
-        }
-        continue;
-      } else if constexpr (V::PARTS > 1) {
-        // AVX2: the same, each x vector loaded where it is used (from
-        // L1), so that two weight rows' sums fit beside their weights.
+      if constexpr (MB == 1 || V::PARTS > 1) {
+        // Each weight row's vectors used as they are made, each x vector
+        // loaded where it is used (from L1): AVX2's 16 registers then hold
+        // several weight rows' sums beside one row's weights, so that a
+        // decode step has four chains of multiply-adds in flight, not one.
 #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j) {
           typename V::vec lo, hi;
