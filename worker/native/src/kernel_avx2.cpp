@@ -31,7 +31,7 @@ struct V {
   static constexpr int PARTS = 2;
   // block.h's direct: weight rows by rows of x at a time, each weight
   // row's vectors used as they are made (16 registers: 2 x 2 sums of two
-  // registers each, beside a row's weights). A pass of 2 rows 9.5-11.2
+  // registers each, beside a row's weights). A pass of 2 rows 9.5-11.9
   // against 13.3-15.4 ms for a step's products with one weight row by
   // up to 4 rows of x; 3 and 4 rows as fast either way; 2 weight rows by
   // 3 or 4 rows of x spilled sums to the stack and ran ~1.5x longer.
