@@ -7,8 +7,11 @@
 // V provides: vec, PARTS (registers a vec is made of: where more than one,
 // part, load_part(p), fma_part(a, b, c) and part_of(v, h), a reference to
 // its h-th register), IN_FLIGHT and CHUNK (direct's weight rows and rows
-// of x at a time: what its registers hold), ONE_ROW_IN_FLIGHT (its weight
-// rows at a time for one row of x), zero(), set1(f), load(p), store(p, v), fma(a, b, c)
+// of x at a time: what its registers hold), WIDE_IN_FLIGHT and WIDE_CHUNK
+// (the same for passes of more than CHUNK rows), ONE_ROW_IN_FLIGHT (its
+// weight rows at a time for one row of x), zero(), set1(f), load(p),
+// load_once(p) (a load kept in a register, not folded into each
+// multiply-add that uses it), store(p, v), fma(a, b, c)
 // (a * b + c, one rounding), hsum(v) (the fixed tree of kernels.h),
 // codes4(p, even, odd) (32 4-bit codes from 16 bytes), codes8(p) (16 8-bit codes) and
 // half(h) (a float16's bits to float), halves16(p, out) (16 of them).
@@ -221,16 +224,18 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
         }
         continue;
       }
+      // Each x vector loaded once for the NB weight rows (folded into
+      // each multiply-add, NB loads of it bound the loop).
       typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
-#pragma GCC unroll 8
+#pragma GCC unroll 9
       for (int i = 0; i < MB; ++i) {
-        const auto xlo = V::load(x + size_t(i) * K + k);
+        const auto xlo = V::load_once(x + size_t(i) * K + k);
 #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j)
           acc[i][j] = V::fma(xlo, lo[j], acc[i][j]);
-        const auto xhi = V::load(x + size_t(i) * K + k + 16);
+        const auto xhi = V::load_once(x + size_t(i) * K + k + 16);
 #pragma GCC unroll 8
         for (int j = 0; j < NB; ++j)
           acc[i][j] = V::fma(xhi, hi[j], acc[i][j]);
@@ -361,14 +366,21 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
 
 // Rows m0..m1 of x by rows n0..n1 of W: up to DIRECT rows of x straight
 // from the codes (V::IN_FLIGHT weight rows by V::CHUNK rows of x at a time,
-// V::ONE_ROW_IN_FLIGHT weight rows where x is one row),
-// more through the scratch (the weights dequantized once for all of them)
-// in tiles of NB weight rows by MB rows of x: the same products and sums
-// either way.
+// V::WIDE_IN_FLIGHT by V::WIDE_CHUNK where every such pass would take
+// more than CHUNK rows, V::ONE_ROW_IN_FLIGHT weight rows where x is one
+// row), more through the scratch (the weights dequantized once for all of
+// them) in tiles of NB weight rows by MB rows of x: the same products and
+// sums either way.
 template <class V, int BITS, kvmux_native::ScaleType ST, int DIRECT, int NB, int MB>
 void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
-  if (m1 - m0 == 1) return direct<V, BITS, ST, V::ONE_ROW_IN_FLIGHT, 1>(p, n0, n1, m0, m1);
-  if (m1 - m0 <= DIRECT) return direct<V, BITS, ST, V::IN_FLIGHT, V::CHUNK>(p, n0, n1, m0, m1);
+  const int rows = m1 - m0;
+  if (rows == 1) return direct<V, BITS, ST, V::ONE_ROW_IN_FLIGHT, 1>(p, n0, n1, m0, m1);
+  if constexpr (V::WIDE_CHUNK > V::CHUNK) {
+    const int passes = (rows + V::WIDE_CHUNK - 1) / V::WIDE_CHUNK;
+    if (rows <= DIRECT && rows >= passes * (V::CHUNK + 1))
+      return direct<V, BITS, ST, V::WIDE_IN_FLIGHT, V::WIDE_CHUNK>(p, n0, n1, m0, m1);
+  }
+  if (rows <= DIRECT) return direct<V, BITS, ST, V::IN_FLIGHT, V::CHUNK>(p, n0, n1, m0, m1);
   scratch_block<V, BITS, ST, NB, MB>(p, n0, n1, m0, m1, scratch);
 }
 

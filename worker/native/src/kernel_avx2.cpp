@@ -36,6 +36,7 @@ struct V {
   // up to 4 rows of x; 3 and 4 rows as fast either way; 2 weight rows by
   // 3 or 4 rows of x spilled sums to the stack and ran ~1.5x longer.
   static constexpr int IN_FLIGHT = 2, CHUNK = 2;
+  static constexpr int WIDE_IN_FLIGHT = 2, WIDE_CHUNK = 2;  // no other shape for more rows
   // One row of x (a decode step): four weight rows, their sums 8
   // registers (kernels.h).
   static constexpr int ONE_ROW_IN_FLIGHT = 4;
@@ -53,6 +54,7 @@ struct V {
   static vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static vec set1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
   static vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static vec load_once(const float* p) { return {load_part(p), load_part(p + 8)}; }
   static void store(float* p, const vec& a) {
     _mm256_storeu_ps(p, a.lo);
     _mm256_storeu_ps(p + 8, a.hi);

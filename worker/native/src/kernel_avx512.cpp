@@ -15,11 +15,14 @@ namespace avx512 {
 
 struct V {
   static constexpr int PARTS = 1;  // one register a vector
-  // block.h's direct: weight rows by rows of x at a time. 24 sums leave
-  // the weights' 8 vectors a few spills; 9 and 17 rows (verify passes)
-  // take 2 and 3 passes, not 3 and 5: their products ~12-15 % faster
-  // (products alone, Intel Xeon); 8 rows stay 4 + 4.
+  // block.h's direct: weight rows by rows of x at a time. Up to 6 rows
+  // (24 sums leave the weights' 8 vectors a few spills) 4 weight rows;
+  // passes of 7 to 9 rows 3 (27 sums; 8 sessions, a 9-row verify pass):
+  // each 32 weights' dequantizing (a table and 4 permutes and shifts)
+  // then serves 8 or 9 rows, not 4 + 4 or 5 + 4 (products of 8 rows
+  // ~20 % faster, 9 rows ~12 %, 17 rows ~7 %; one thread, Intel Xeon).
   static constexpr int IN_FLIGHT = 4, CHUNK = 6;
+  static constexpr int WIDE_IN_FLIGHT = 3, WIDE_CHUNK = 9;
   static constexpr int ONE_ROW_IN_FLIGHT = 4;
   static float half(uint16_t h) { return _cvtsh_ss(h); }
   static void halves16(const uint16_t* p, float* out) {
@@ -32,6 +35,11 @@ struct V {
   static vec zero() { return _mm512_setzero_ps(); }
   static vec set1(float f) { return _mm512_set1_ps(f); }
   static vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static vec load_once(const float* p) {
+    vec v = _mm512_loadu_ps(p);
+    asm("" : "+v"(v));
+    return v;
+  }
   static void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
   static __m512 fma16(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }  // attend.h's

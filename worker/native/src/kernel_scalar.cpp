@@ -14,6 +14,7 @@ namespace scalar {
 struct V {
   static constexpr int PARTS = 1;  // one register a vector
   static constexpr int IN_FLIGHT = 1, CHUNK = 1;  // block.h's direct: weight rows by rows of x at a time
+  static constexpr int WIDE_IN_FLIGHT = 1, WIDE_CHUNK = 1;
   static constexpr int ONE_ROW_IN_FLIGHT = 1;
   static constexpr bool TABLE4 = false;
   static float half(uint16_t h) { return kvmux_native::half_to_float(h); }
@@ -37,6 +38,7 @@ struct V {
     for (int i = 0; i < 16; ++i) r.v[i] = p[i];
     return r;
   }
+  static vec load_once(const float* p) { return load(p); }
   static void store(float* p, const vec& a) {
     for (int i = 0; i < 16; ++i) p[i] = a.v[i];
   }

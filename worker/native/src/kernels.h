@@ -138,8 +138,9 @@ BlockFn block_avx512();
 
 // Rows of x each kernel computes straight from the codes (more go through
 // a scratch of dequantized rows): its registers hold the accumulators of
-// 6 rows of x by 4 weight rows on AVX-512 and 2 by 2 on AVX2 (V::CHUNK,
-// V::IN_FLIGHT; one row of x by 4 weight rows on both, ONE_ROW_IN_FLIGHT:
+// 6 rows of x by 4 weight rows on AVX-512 (9 by 3 for passes of 7 to 9
+// rows) and 2 by 2 on AVX2 (V::CHUNK, V::IN_FLIGHT, V::WIDE_CHUNK,
+// V::WIDE_IN_FLIGHT; one row of x by 4 weight rows on both, ONE_ROW_IN_FLIGHT:
 // on AVX2 a decode step's products 7.2 against 11.5 ms with one weight
 // row, whose two chains of multiply-adds bound the loop, and whose row
 // of 576 weights paid its set-up for 18 groups), and a block of weight

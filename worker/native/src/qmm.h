@@ -40,8 +40,9 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
 // caller sets x, out and M.
 Problem problem(const mx::array& w, const mx::array& scales, const mx::array& biases, int group, int bits);
 
-// x's rows as the kernel of `bits` reads them: x itself, or reordered
-// into `ordered` (kernels.h, x_order).
+// x's rows as the kernel of `bits` reads them: x itself where its order
+// is the kernel's and it starts a cache line, else copied into `ordered`
+// from a cache line's start (reordered for 4 bits: kernels.h, x_order).
 const float* kernel_rows(const float* x, int rows, int K, int bits, std::vector<float>& ordered);
 
 // Every product of `ps` in one job over the kernel's threads (from an
