@@ -5,7 +5,7 @@
 // between instruction sets at link time.
 //
 // V provides: vec, PARTS (registers a vec is made of: where more than one,
-// part, load_part(p), fma_part(a, b, c) and part_of(v, h), a reference to
+// part, zero_part(), load_part(p), fma_part(a, b, c) and part_of(v, h), a reference to
 // its h-th register), IN_FLIGHT and CHUNK (direct's weight rows and rows
 // of x at a time: what its registers hold), WIDE_IN_FLIGHT and WIDE_CHUNK
 // (the same for passes of more than CHUNK rows), ONE_ROW_IN_FLIGHT (its
@@ -287,32 +287,42 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
 }
 
 // MB rows of x against NB dequantized rows of W: one accumulator each.
-// Where a vector is two registers (V::PARTS, AVX2), each half's products
-// are made on their own, so that only half of the weight rows' vectors
-// are held at once and each x vector is loaded once, not once per weight
-// row (16 registers); every lane's sum runs in the same order either way.
+// Where a vector is two registers (V::PARTS, AVX2), each half's sums run
+// over all of K on their own, then the other half's (a lane's sum never
+// meets another lane's before V::hsum): only half of the sums are held
+// at once, so that 16 registers hold 3 weight rows by 4 rows of x (the
+// same sums, in the same order either way).
 template <class V, int NB, int MB>
 void tile(const float* x, int ldx, const float* w, int K, float* out, int ldo) {
   typename V::vec acc[MB][NB];
-  zero_all<V>(acc);
-  for (int k = 0; k < K; k += 16) {
-    if constexpr (V::PARTS > 1) {
-      constexpr int W = 16 / V::PARTS;
+  if constexpr (V::PARTS > 1) {
+    constexpr int W = 16 / V::PARTS;
 #pragma GCC unroll 2
-      for (int h = 0; h < V::PARTS; ++h) {
+    for (int h = 0; h < V::PARTS; ++h) {
+      typename V::part a[MB][NB];
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) a[i][j] = V::zero_part();
+      for (int k = W * h; k < K; k += 16) {
         typename V::part wv[NB];
 #pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j)
-          wv[j] = V::load_part(w + size_t(j) * K + k + W * h);
+        for (int j = 0; j < NB; ++j) wv[j] = V::load_part(w + size_t(j) * K + k);
 #pragma GCC unroll 8
         for (int i = 0; i < MB; ++i) {
-          const auto xv = V::load_part(x + size_t(i) * ldx + k + W * h);
+          const auto xv = V::load_part(x + size_t(i) * ldx + k);
 #pragma GCC unroll 8
-          for (int j = 0; j < NB; ++j)
-            V::part_of(acc[i][j], h) = V::fma_part(xv, wv[j], V::part_of(acc[i][j], h));
+          for (int j = 0; j < NB; ++j) a[i][j] = V::fma_part(xv, wv[j], a[i][j]);
         }
       }
-    } else {
+#pragma GCC unroll 8
+      for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) V::part_of(acc[i][j], h) = a[i][j];
+    }
+  } else {
+    zero_all<V>(acc);
+    for (int k = 0; k < K; k += 16) {
       typename V::vec wv[NB];
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j)

@@ -49,6 +49,7 @@ struct V {
     return v;
   }
   static part fma_part(part a, part b, part c) { return _mm256_fmadd_ps(a, b, c); }
+  static part zero_part() { return _mm256_setzero_ps(); }
   static __m256 fma8(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }  // attend.h's
   static part& part_of(vec& v, int h) { return h ? v.hi : v.lo; }
   static vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -90,7 +91,7 @@ struct V {
 IsaKernels kernels_avx2() {
   return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk<avx2::Halves>, &avx2::narrow, &avx2::swiglu};
 }
-BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 2, 3>; }
+BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 3, 4>; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options
