@@ -18,8 +18,8 @@ struct V {
   // block.h's direct: weight rows by rows of x at a time. Up to 6 rows
   // (24 sums leave the weights' 8 vectors a few spills) 4 weight rows;
   // passes of 7 to 9 rows 3 (27 sums; 8 sessions, a 9-row verify pass):
-  // each 32 weights' dequantizing (a table and 4 permutes and shifts)
-  // then serves 8 or 9 rows, not 4 + 4 or 5 + 4 (products of 8 rows
+  // each 32 weights' dequantizing (a table, a widening, a shift and two
+  // permutes) then serves 8 or 9 rows, not 4 + 4 or 5 + 4 (products of 8 rows
   // ~20 % faster, 9 rows ~12 %, 17 rows ~7 %; one thread, Intel Xeon).
   static constexpr int IN_FLIGHT = 4, CHUNK = 6;
   static constexpr int WIDE_IN_FLIGHT = 3, WIDE_CHUNK = 9;
