@@ -224,8 +224,8 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
         }
         continue;
       }
-      // Each x vector loaded once for the NB weight rows (folded into
-      // each multiply-add, NB loads of it bound the loop).
+      // Each x vector loaded once for the NB weight rows: folded into each
+      // multiply-add instead, its NB loads bound the loop.
       typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
