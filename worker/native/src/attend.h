@@ -33,6 +33,7 @@ struct Wide {
   static Wide splat(float f) { return {v16{f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}}; }  // `v16{} + f` adds 0
   Wide operator+(const Wide& o) const { return {v + o.v}; }
   Wide operator*(const Wide& o) const { return {v * o.v}; }
+  static Wide max(const Wide& a, const Wide& b) { return {b.v > a.v ? b.v : a.v}; }
   static Wide masked(const Wide& s, const Wide& m) {  // s + m, or exactly m (-inf) where m is -inf
     return {m.v == -__builtin_inff() ? m.v : s.v + m.v};
   }
@@ -89,6 +90,7 @@ struct Halves {
   }
   Halves operator+(const Halves& o) const { return {lo + o.lo, hi + o.hi}; }
   Halves operator*(const Halves& o) const { return {lo * o.lo, hi * o.hi}; }
+  static Halves max(const Halves& a, const Halves& b) { return {b.lo > a.lo ? b.lo : a.lo, b.hi > a.hi ? b.hi : a.hi}; }
   static Halves masked(const Halves& s, const Halves& m) {
     return {m.lo == -__builtin_inff() ? m.lo : s.lo + m.lo, m.hi == -__builtin_inff() ? m.hi : s.hi + m.hi};
   }
@@ -412,7 +414,8 @@ void attend_part(const kvmux_native::Attention& a, int row, int kv, int j0, int 
 // A prefill chunk's rows (kernels.h's ChunkFn): an item's queries (its
 // rows by their query heads) are the lanes, 16 a vector, so its scores
 // and its weighted sums of values are two small matrix products with no
-// horizontal sums. Per query and 16 slots a decode row's path spends 15
+// horizontal sums (AVX-512's weighted sums take a value's floats as the
+// lanes instead: weigh_tile). Per query and 16 slots a decode row's path spends 15
 // lane folds and its keys' widening beside the multiply-adds; here a
 // key's float16s are widened once for every query of the item. Each
 // query's arithmetic is its own, in a fixed order, whatever lane it
@@ -440,21 +443,21 @@ inline void lane_tile(const float* A, size_t as, size_t ks, const float* B, size
     for (int v = 0; v < NV; ++v) acc[i][v].store(C + i * ldc + 16 * v);
 }
 
-// lane_tile over MR rows and QV vectors: up to 4 vectors at a time where
-// a vector is one register (AVX-512's 32 hold 4 x 4 sums), one at a time
-// where it is two (AVX2's 16 hold 6 x 1, lane_product's; 2 x 2 measured
-// 2x slower).
+// lane_tile over MR rows and QV vectors: up to 32 / MR - 1 vectors at a
+// time where a vector is one register (AVX-512's 32 hold 8 x 3 or 4 x 4
+// sums), one at a time where it is two (AVX2's 16 hold 6 x 1,
+// lane_product's; 2 x 2 measured 2x slower).
 template <class L, int MR>
 void lane_tiles(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int K, int QV,
                 bool more) {
-  constexpr int NV = L::ONE_REGISTER ? 4 : 1;
+  constexpr int NV = !L::ONE_REGISTER ? 1 : MR > 4 ? 3 : 4;
   for (int v = 0; v < QV;) {
     const int w = QV - v < NV ? QV - v : NV;
     const float* b = B + 16 * v;
     float* c = C + 16 * v;
     if (w == 4) lane_tile<L, MR, NV == 4 ? 4 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
-    if (w == 3) lane_tile<L, MR, NV == 4 ? 3 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
-    if (w == 2) lane_tile<L, MR, NV == 4 ? 2 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
+    if (w == 3) lane_tile<L, MR, NV >= 3 ? 3 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
+    if (w == 2) lane_tile<L, MR, NV >= 2 ? 2 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
     if (w == 1) lane_tile<L, MR, 1>(A, as, ks, b, ldb, c, ldc, K, more);
     v += w;
   }
@@ -464,11 +467,12 @@ void lane_tiles(const float* A, size_t as, size_t ks, const float* B, size_t ldb
 // rows of C at a time, then 4, then the rest one by one. AVX2 takes 6
 // (12 sums in its 16 registers beside B's vector and A's broadcast: a
 // 16-row chunk's item 5-9 % faster than at 4; 7 and 8 spill, and were
-// slower); AVX-512's 4 x 4 vectors measured the same as 8 x 3.
+// slower); AVX-512 8 (a 16-row item's scores 8 x 3 sums at a time, 7-11 %
+// faster than 4 x 3: a key's broadcast serves more queries' vectors).
 template <class L>
 void lane_product(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int M, int K,
                   int QV, bool more) {
-  constexpr int ROWS = L::ONE_REGISTER ? 4 : 6;
+  constexpr int ROWS = L::ONE_REGISTER ? 8 : 6;
   int i = 0;
   if constexpr (ROWS != 4)
     for (; i + ROWS <= M; i += ROWS)
@@ -477,10 +481,72 @@ void lane_product(const float* A, size_t as, size_t ks, const float* B, size_t l
   for (; i < M; ++i) lane_tiles<L, 1>(A + i * as, as, ks, B, ldb, C + i * ldc, ldc, K, QV, more);
 }
 
+// out[q][d] += Σ_k w[k * lanes + q] * wide[k * D + d] over a block's m
+// slots in order (from 0 where not `more`), for MR queries from q0, their
+// D sums (DC vectors each) in registers over the block: the same chain
+// per sum as lane_product's with the values as A, but a weight is
+// broadcast and a value's 16 floats are one vector, so no lane waits for
+// a query past the item's last and the sums land where the part keeps
+// them.
+template <class L, int DC, int MR>
+inline void weigh_tile(const float* wide, const float* w, size_t lanes, int m, int q0, float* const* out, bool more) {
+  L acc[MR][DC];
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < DC; ++c) acc[i][c] = more ? L::load(out[q0 + i] + 16 * c) : L::splat(0.0f);
+  for (int k = 0; k < m; ++k) {
+    L v[DC];
+    for (int c = 0; c < DC; ++c) v[c] = L::load(wide + size_t(k) * DC * 16 + 16 * c);
+    for (int i = 0; i < MR; ++i) {
+      const L p = L::splat(w[size_t(k) * lanes + q0 + i]);
+      for (int c = 0; c < DC; ++c) acc[i][c] = fma(p, v[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < DC; ++c) acc[i][c].store(out[q0 + i] + 16 * c);
+}
+
+// weigh_tile over all `queries`, 24 / DC at a time (AVX-512's 32
+// registers: 24 sums, a block's DC value vectors and the broadcast),
+// then the rest one by one.
+template <class L, int DC>
+void weigh_queries_of(const float* wide, const float* w, size_t lanes, int m, int queries, float* const* out, bool more) {
+  constexpr int MR = 24 / DC;
+  int q = 0;
+  for (; q + MR <= queries; q += MR) weigh_tile<L, DC, MR>(wide, w, lanes, m, q, out, more);
+  for (; q < queries; ++q) weigh_tile<L, DC, 1>(wide, w, lanes, m, q, out, more);
+}
+
+template <class L>
+void weigh_queries(const float* wide, int D, const float* w, size_t lanes, int m, int queries, float* const* out, bool more) {
+  if (D == 64) return weigh_queries_of<L, 4>(wide, w, lanes, m, queries, out, more);
+  if (D == 128) return weigh_queries_of<L, 8>(wide, w, lanes, m, queries, out, more);
+  return weigh_queries_of<L, 16>(wide, w, lanes, m, queries, out, more);
+}
+
+// The mask where it is not 0 (as `masked`) on the scores of slots
+// [from, to) of `rows` rows (mask: the first row's, then by stride): a
+// chunk's rows differ from 0 only where the window drops a slot, and
+// causally over its own keys.
+inline void mask_block(const float* mask, size_t stride, int rows, int G, int from, int to, float* s, size_t lanes) {
+  for (int r = 0; r < rows; ++r, mask += stride)
+    for (int i = from; i < to; i += 16) {
+      const int end = to - i < 16 ? to : i + 16;
+      uint32_t any = 0;  // 16 at a time, -0 as 0: a loop the vector unit runs
+      for (int j = i; j < end; ++j) any |= __builtin_bit_cast(uint32_t, mask[j]) << 1;
+      if (!any) continue;
+      for (int j = i; j < end; ++j) {
+        if (mask[j] == 0.0f) continue;
+        for (int g = 0; g < G; ++g) {
+          float& x = s[size_t(j) * lanes + r * G + g];
+          x = mask[j] == -__builtin_inff() ? mask[j] : x + mask[j];
+        }
+      }
+    }
+}
+
 // Slots [j, j + m) of `slots` (D float16s each, consecutive) widened
-// (exactly) into out (m x D floats), prefetching ahead of them.
-inline void widen(const uint16_t* slots, int j, int m, int n, int D, float* out) {
-  ahead(slots, j, n, D);
+// (exactly) into out (m x D floats).
+inline void widen(const uint16_t* slots, int j, int m, int D, float* out) {
   const uint16_t* p = slots + size_t(j) * D;
   const int count = m * D;
   int i = 0;
@@ -492,7 +558,7 @@ inline void widen(const uint16_t* slots, int j, int m, int n, int D, float* out)
 template <class L>
 void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int j0, int j1, float* scratch, float* part,
                   size_t part_stride) {
-  constexpr int BS = kvmux_native::BLOCK_SLOTS;
+  constexpr int KS = kvmux_native::KEY_SLOTS, VS = kvmux_native::VALUE_SLOTS;
   const int D = a.D, G = a.heads / a.kv_heads, rows = r1 - r0, span = j1 - j0, queries = rows * G;
   const int QV = (queries + 15) / 16, lanes = 16 * QV;  // query q: row r0 + q / G, head kv * G + q % G
   // Masked slots past every row's last seen one add nothing: stop there.
@@ -505,68 +571,76 @@ void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int 
   }
   float* qt = scratch;  // D x lanes: the queries, transposed (lanes past them 0)
   float* s = qt + size_t(D) * lanes;  // span x lanes: scores, then weights
-  float* ot = s + size_t(span) * lanes;  // D x lanes: the weighted sums of values
+  float* ot = s + size_t(span) * lanes;  // D x lanes: the weighted sums of values, where lanes (AVX2)
   float* top = ot + size_t(D) * lanes;  // lanes: each query's max score
-  float* sum = top + lanes;  // lanes: the sum of its weights
-  float* wide = sum + lanes;  // BS x D: a block of keys or values, widened
+  float* shift = top + lanes;  // lanes: what its scores are less (its max, or 0 where that is -inf)
+  float* sum = shift + lanes;  // lanes: the sum of its weights
+  float* wide = sum + lanes;  // VS x D: a block of keys or values, widened
   for (int q = 0; q < lanes; ++q) {
     const float* from = q < queries ? a.q + (size_t(r0 + q / G) * a.heads + size_t(kv) * G + q % G) * D : nullptr;
     for (int d = 0; d < D; ++d) qt[size_t(d) * lanes + q] = from ? from[d] : 0.0f;
   }
   const uint16_t* keys = a.keys + size_t(kv) * a.kv_stride + size_t(j0) * D;
   const uint16_t* values = a.values + size_t(kv) * a.kv_stride + size_t(j0) * D;
-  for (int j = 0; j < most; j += BS) {
-    const int m = most - j < BS ? most - j : BS;
-    widen(keys, j, m, most, D, wide);
+  // Scores a block of slots at a time, masked and their max taken while
+  // the block is in L1.
+  for (int v = 0; v < QV; ++v) L::splat(-__builtin_inff()).store(top + 16 * v);
+  for (int j = 0; j < most; j += KS) {
+    const int m = most - j < KS ? most - j : KS;
+    ahead(keys, j, most, D);
+    widen(keys, j, m, D, wide);
     lane_product<L>(wide, D, 1, qt, lanes, s + size_t(j) * lanes, lanes, m, D, QV, false);
+    if (a.mask) mask_block(a.mask + size_t(r0) * a.mask_stride + j0, a.mask_stride, rows, G, j, j + m, s, lanes);
+    for (int v = 0; v < QV; ++v) {  // four chains of max (one stalled on its latency)
+      const L before = L::load(top + 16 * v);
+      L t[4] = {before, before, before, before};
+      int k = j;
+      for (; k + 4 <= j + m; k += 4)
+        for (int u = 0; u < 4; ++u) t[u] = L::max(t[u], L::load(s + size_t(k + u) * lanes + 16 * v));
+      for (; k < j + m; ++k) t[0] = L::max(t[0], L::load(s + size_t(k) * lanes + 16 * v));
+      L::max(L::max(t[0], t[1]), L::max(t[2], t[3])).store(top + 16 * v);
+    }
   }
-  // The mask where it is not 0 (as `masked`): a chunk's rows differ from
-  // 0 only where the window drops a slot, and causally over its own keys.
-  if (a.mask)
-    for (int r = 0; r < rows; ++r) {
-      const float* mask = a.mask + size_t(r0 + r) * a.mask_stride + j0;
-      for (int from = 0; from < most; from += 16) {
-        const int to = most - from < 16 ? most : from + 16;
-        uint32_t any = 0;  // 16 at a time, -0 as 0: a loop the vector unit runs
-        for (int j = from; j < to; ++j) any |= __builtin_bit_cast(uint32_t, mask[j]) << 1;
-        if (!any) continue;
-        for (int j = from; j < to; ++j) {
-          if (mask[j] == 0.0f) continue;
-          for (int g = 0; g < G; ++g) {
-            float& x = s[size_t(j) * lanes + r * G + g];
-            x = mask[j] == -__builtin_inff() ? mask[j] : x + mask[j];
-          }
-        }
+  for (int q = 0; q < lanes; ++q) {  // a query that sees none of these slots: weights exp(-inf) = 0, its max still -inf
+    shift[q] = top[q] == -__builtin_inff() ? 0.0f : top[q];
+    sum[q] = 0.0f;
+  }
+  // Then a block at a time: its weights exp(score - max) in place (-inf:
+  // exactly 0), each lane's sum of them in slot order, and the weighted
+  // sum of its values.
+  thread_local std::vector<float*> outs;  // query q's part
+  outs.resize(queries);
+  for (int q = 0; q < queries; ++q) outs[q] = part + size_t(q / G) * part_stride + size_t(q % G) * (D + 2);
+  const bool by_query = L::ONE_REGISTER && (D == 64 || D == 128 || D == 256);
+  for (int j = 0; j < most; j += VS) {
+    const int m = most - j < VS ? most - j : VS;
+    const char* line = reinterpret_cast<const char*>(values + size_t(j) * D);  // read in while the weights are computed
+    for (const char* end = reinterpret_cast<const char*>(values + size_t(j + m) * D); line < end; line += 64)
+      __builtin_prefetch(line);
+    for (int v = 0; v < QV; ++v) {
+      L total = L::load(sum + 16 * v);
+      for (int k = j; k < j + m; ++k) {
+        float* sk = s + size_t(k) * lanes + 16 * v;
+        float p[16];
+        for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(sk[l] - shift[16 * v + l]);
+        const L w = L::load(p);
+        w.store(sk);
+        total = total + w;
       }
+      total.store(sum + 16 * v);
     }
-  // Weights exp(score - max) in place (-inf: exactly 0), per lane.
-  for (int q = 0; q < lanes; ++q) top[q] = -__builtin_inff();
-  for (int j = 0; j < most; ++j)
-    for (int q = 0; q < lanes; ++q) top[q] = s[size_t(j) * lanes + q] > top[q] ? s[size_t(j) * lanes + q] : top[q];
-  for (int v = 0; v < QV; ++v) {
-    float shift[16];  // a query that sees none of these slots: weights exp(-inf) = 0, its max still -inf
-    for (int l = 0; l < 16; ++l) shift[l] = top[16 * v + l] == -__builtin_inff() ? 0.0f : top[16 * v + l];
-    L total = L::splat(0.0f);
-    for (int j = 0; j < most; ++j) {
-      float* sj = s + size_t(j) * lanes + 16 * v;
-      float p[16];
-      for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(sj[l] - shift[l]);
-      const L w = L::load(p);
-      w.store(sj);
-      total = total + w;
-    }
-    total.store(sum + 16 * v);
-  }
-  for (int j = 0; j < most; j += BS) {
-    const int m = most - j < BS ? most - j : BS;
-    widen(values, j, m, most, D, wide);
-    lane_product<L>(wide, 1, D, s + size_t(j) * lanes, lanes, ot, lanes, D, m, QV, j > 0);
+    widen(values, j, m, D, wide);
+    if (by_query)
+      weigh_queries<L>(wide, D, s + size_t(j) * lanes, lanes, m, queries, outs.data(), j > 0);
+    else
+      lane_product<L>(wide, 1, D, s + size_t(j) * lanes, lanes, ot, lanes, D, m, QV, j > 0);
   }
   for (int q = 0; q < queries; ++q) {
-    float* o = part + size_t(q / G) * part_stride + size_t(q % G) * (D + 2);
-    for (int d = 0; d < D; ++d) o[d] = most ? ot[size_t(d) * lanes + q] : 0.0f;
+    float* o = outs[q];
+    if (!by_query || !most)
+      for (int d = 0; d < D; ++d) o[d] = most ? ot[size_t(d) * lanes + q] : 0.0f;
     o[D] = top[q];
-    o[D + 1] = most ? sum[q] : 0.0f;
+    o[D + 1] = sum[q];
   }
 }
 

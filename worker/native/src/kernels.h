@@ -96,13 +96,15 @@ using ChunkFn = void (*)(const Attention&, int r0, int r1, int kv, int j0, int j
                          size_t part_stride);
 
 // Rows of a chunk's read an item takes together, and the slots a block
-// of keys (then values) widens at a time into L1 (4 KB at head size 64).
-constexpr int CHUNK_ROWS = 16, BLOCK_SLOTS = 16;
+// of keys, then of values, widens at a time into L1 (4 and 16 KB at head
+// size 64): a value block's sums are loaded and stored once a block
+// (attend.h's weigh_tile), so its blocks are longer.
+constexpr int CHUNK_ROWS = 16, KEY_SLOTS = 16, VALUE_SLOTS = 64;
 
 // ChunkFn's scratch for `rows` rows of `G` query heads over `span` slots.
 inline size_t chunk_scratch(int rows, int G, int span, int D) {
   const size_t lanes = (size_t(rows) * G + 15) / 16 * 16;
-  return lanes * (2 * size_t(D) + span + 2) + size_t(BLOCK_SLOTS) * D;
+  return lanes * (2 * size_t(D) + span + 3) + size_t(VALUE_SLOTS) * D;
 }
 
 // n floats to float16 bits (float_to_half's), 16 at a time where the CPU can.
