@@ -18,6 +18,7 @@ typedef float v2 __attribute__((vector_size(8)));
 // 16 lanes as one vector.
 struct Wide {
   static constexpr bool ONE_REGISTER = true;  // AVX-512's: 32 of them
+  static constexpr int LANES = 16;
   v16 v;
   static Wide load(const float* p) {
     Wide w;
@@ -68,6 +69,7 @@ struct Wide {
 // 16 lanes as two vectors of 8.
 struct Halves {
   static constexpr bool ONE_REGISTER = false;  // two of AVX2's 16
+  static constexpr int LANES = 16;
   v8 lo, hi;
   static Halves load(const float* p) {
     Halves h;
@@ -113,6 +115,28 @@ struct Halves {
   }
   static v8 f1(v8 x, v8 y) {
     return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+  }
+};
+
+// 8 lanes as one vector: AVX2's register, for a prefill chunk's queries
+// (attend_chunk), where an item of 8 rows' 24 queries fill 3 of them and
+// would take 32 lanes of 16-lane vectors.
+struct Narrow {
+  static constexpr bool ONE_REGISTER = true;  // one of AVX2's 16
+  static constexpr int LANES = 8;
+  v8 v;
+  static Narrow load(const float* p) {
+    Narrow n;
+    std::memcpy(&n.v, p, sizeof n.v);
+    return n;
+  }
+  void store(float* p) const { std::memcpy(p, &v, sizeof v); }
+  static Narrow splat(float f) { return {v8{f, f, f, f, f, f, f, f}}; }
+  Narrow operator+(const Narrow& o) const { return {v + o.v}; }
+  static Narrow max(const Narrow& a, const Narrow& b) { return {b.v > a.v ? b.v : a.v}; }
+  template <class W>
+  static Narrow fma(const Narrow& a, const Narrow& b, const Narrow& c) {
+    return {W::fma8(a.v, b.v, c.v)};
   }
 };
 
@@ -430,31 +454,31 @@ inline void lane_tile(const float* A, size_t as, size_t ks, const float* B, size
                       bool more) {
   L acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = more ? L::load(C + i * ldc + 16 * v) : L::splat(0.0f);
+    for (int v = 0; v < NV; ++v) acc[i][v] = more ? L::load(C + i * ldc + L::LANES * v) : L::splat(0.0f);
   for (int k = 0; k < K; ++k) {
     L b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = L::load(B + k * ldb + 16 * v);
+    for (int v = 0; v < NV; ++v) b[v] = L::load(B + k * ldb + L::LANES * v);
     for (int i = 0; i < MR; ++i) {
       const L a = L::splat(A[i * as + k * ks]);
       for (int v = 0; v < NV; ++v) acc[i][v] = fma(a, b[v], acc[i][v]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v].store(C + i * ldc + 16 * v);
+    for (int v = 0; v < NV; ++v) acc[i][v].store(C + i * ldc + L::LANES * v);
 }
 
-// lane_tile over MR rows and QV vectors: up to 32 / MR - 1 vectors at a
-// time where a vector is one register (AVX-512's 32 hold 8 x 3 or 4 x 4
-// sums), one at a time where it is two (AVX2's 16 hold 6 x 1,
-// lane_product's; 2 x 2 measured 2x slower).
+// lane_tile over MR rows and QV vectors: several vectors at a time where
+// a vector is one register (AVX-512's 32 hold 8 x 3 or 4 x 4 sums,
+// AVX2's 16 hold 4 x 3 of 8 lanes), one at a time where it is two
+// (AVX2's 16 hold 6 x 1, lane_product's; 2 x 2 measured 2x slower).
 template <class L, int MR>
 void lane_tiles(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int K, int QV,
                 bool more) {
-  constexpr int NV = !L::ONE_REGISTER ? 1 : MR > 4 ? 3 : 4;
+  constexpr int NV = !L::ONE_REGISTER ? 1 : L::LANES == 16 ? (MR > 4 ? 3 : 4) : (MR > 4 ? 2 : 3);
   for (int v = 0; v < QV;) {
     const int w = QV - v < NV ? QV - v : NV;
-    const float* b = B + 16 * v;
-    float* c = C + 16 * v;
+    const float* b = B + L::LANES * v;
+    float* c = C + L::LANES * v;
     if (w == 4) lane_tile<L, MR, NV == 4 ? 4 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
     if (w == 3) lane_tile<L, MR, NV >= 3 ? 3 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
     if (w == 2) lane_tile<L, MR, NV >= 2 ? 2 : 1>(A, as, ks, b, ldb, c, ldc, K, more);
@@ -463,16 +487,18 @@ void lane_tiles(const float* A, size_t as, size_t ks, const float* B, size_t ldb
   }
 }
 
-// C (M x 16 QV) = A (M x K, strides as, ks) times B (K x 16 QV), ROWS
-// rows of C at a time, then 4, then the rest one by one. AVX2 takes 6
-// (12 sums in its 16 registers beside B's vector and A's broadcast: a
-// 16-row chunk's item 5-9 % faster than at 4; 7 and 8 spill, and were
-// slower); AVX-512 8 (a 16-row item's scores 8 x 3 sums at a time, 7-11 %
-// faster than 4 x 3: a key's broadcast serves more queries' vectors).
+// C (M x W QV) = A (M x K, strides as, ks) times B (K x W QV), vectors
+// of W = L::LANES, ROWS rows of C at a time, then 4, then the rest one by
+// one. AVX2 takes 6 by 16 lanes (12 sums in its 16 registers beside B's
+// vector and A's broadcast: a 16-row chunk's item 5-9 % faster than at
+// 4; 7 and 8 spill, and were slower), 4 by 3 vectors of 8 (an 8-row
+// item's 24 queries: 35 against 46 us as 32 lanes; 6 x 2 37); AVX-512 8
+// (a 16-row item's scores 8 x 3 sums at a time, 7-11 % faster than 4 x
+// 3: a key's broadcast serves more queries' vectors).
 template <class L>
 void lane_product(const float* A, size_t as, size_t ks, const float* B, size_t ldb, float* C, size_t ldc, int M, int K,
                   int QV, bool more) {
-  constexpr int ROWS = L::ONE_REGISTER ? 8 : 6;
+  constexpr int ROWS = L::LANES == 8 ? 4 : L::ONE_REGISTER ? 8 : 6;
   int i = 0;
   if constexpr (ROWS != 4)
     for (; i + ROWS <= M; i += ROWS)
@@ -560,7 +586,8 @@ void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int 
                   size_t part_stride) {
   constexpr int KS = kvmux_native::KEY_SLOTS, VS = kvmux_native::VALUE_SLOTS;
   const int D = a.D, G = a.heads / a.kv_heads, rows = r1 - r0, span = j1 - j0, queries = rows * G;
-  const int QV = (queries + 15) / 16, lanes = 16 * QV;  // query q: row r0 + q / G, head kv * G + q % G
+  constexpr int W = L::LANES;
+  const int QV = (queries + W - 1) / W, lanes = W * QV;  // query q: row r0 + q / G, head kv * G + q % G
   // Masked slots past every row's last seen one add nothing: stop there.
   int most = 0;
   for (int r = r0; r < r1; ++r) {
@@ -584,7 +611,7 @@ void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int 
   const uint16_t* values = a.values + size_t(kv) * a.kv_stride + size_t(j0) * D;
   // Scores a block of slots at a time, masked and their max taken while
   // the block is in L1.
-  for (int v = 0; v < QV; ++v) L::splat(-__builtin_inff()).store(top + 16 * v);
+  for (int v = 0; v < QV; ++v) L::splat(-__builtin_inff()).store(top + W * v);
   for (int j = 0; j < most; j += KS) {
     const int m = most - j < KS ? most - j : KS;
     ahead(keys, j, most, D);
@@ -592,13 +619,13 @@ void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int 
     lane_product<L>(wide, D, 1, qt, lanes, s + size_t(j) * lanes, lanes, m, D, QV, false);
     if (a.mask) mask_block(a.mask + size_t(r0) * a.mask_stride + j0, a.mask_stride, rows, G, j, j + m, s, lanes);
     for (int v = 0; v < QV; ++v) {  // four chains of max (one stalled on its latency)
-      const L before = L::load(top + 16 * v);
+      const L before = L::load(top + W * v);
       L t[4] = {before, before, before, before};
       int k = j;
       for (; k + 4 <= j + m; k += 4)
-        for (int u = 0; u < 4; ++u) t[u] = L::max(t[u], L::load(s + size_t(k + u) * lanes + 16 * v));
-      for (; k < j + m; ++k) t[0] = L::max(t[0], L::load(s + size_t(k) * lanes + 16 * v));
-      L::max(L::max(t[0], t[1]), L::max(t[2], t[3])).store(top + 16 * v);
+        for (int u = 0; u < 4; ++u) t[u] = L::max(t[u], L::load(s + size_t(k + u) * lanes + W * v));
+      for (; k < j + m; ++k) t[0] = L::max(t[0], L::load(s + size_t(k) * lanes + W * v));
+      L::max(L::max(t[0], t[1]), L::max(t[2], t[3])).store(top + W * v);
     }
   }
   for (int q = 0; q < lanes; ++q) {  // a query that sees none of these slots: weights exp(-inf) = 0, its max still -inf
@@ -611,23 +638,23 @@ void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int 
   thread_local std::vector<float*> outs;  // query q's part
   outs.resize(queries);
   for (int q = 0; q < queries; ++q) outs[q] = part + size_t(q / G) * part_stride + size_t(q % G) * (D + 2);
-  const bool by_query = L::ONE_REGISTER && (D == 64 || D == 128 || D == 256);
+  const bool by_query = L::ONE_REGISTER && L::LANES == 16 && (D == 64 || D == 128 || D == 256);
   for (int j = 0; j < most; j += VS) {
     const int m = most - j < VS ? most - j : VS;
     const char* line = reinterpret_cast<const char*>(values + size_t(j) * D);  // read in while the weights are computed
     for (const char* end = reinterpret_cast<const char*>(values + size_t(j + m) * D); line < end; line += 64)
       __builtin_prefetch(line);
     for (int v = 0; v < QV; ++v) {
-      L total = L::load(sum + 16 * v);
+      L total = L::load(sum + W * v);
       for (int k = j; k < j + m; ++k) {
-        float* sk = s + size_t(k) * lanes + 16 * v;
-        float p[16];
-        for (int l = 0; l < 16; ++l) p[l] = exp_nonpositive(sk[l] - shift[16 * v + l]);
+        float* sk = s + size_t(k) * lanes + W * v;
+        float p[W];
+        for (int l = 0; l < W; ++l) p[l] = exp_nonpositive(sk[l] - shift[W * v + l]);
         const L w = L::load(p);
         w.store(sk);
         total = total + w;
       }
-      total.store(sum + 16 * v);
+      total.store(sum + W * v);
     }
     widen(values, j, m, D, wide);
     if (by_query)

@@ -86,10 +86,24 @@ struct V {
 #include "attend.h"
 #include "swiglu.h"
 
+namespace {
+
+// A chunk's item in vectors of 16 lanes (two registers) where its
+// queries fill them, else of 8 (one register: an item of 8 rows' 24
+// queries take 3, not 32 lanes): the same sums either way, lane by lane.
+void attend_chunk_of(const Attention& a, int r0, int r1, int kv, int j0, int j1, float* scratch, float* part,
+                     size_t part_stride) {
+  if ((r1 - r0) * (a.heads / a.kv_heads) % 16 == 0)
+    return attend_chunk<Halves>(a, r0, r1, kv, j0, j1, scratch, part, part_stride);
+  attend_chunk<Narrow>(a, r0, r1, kv, j0, j1, scratch, part, part_stride);
+}
+
+}  // namespace
+
 }  // namespace avx2
 
 IsaKernels kernels_avx2() {
-  return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk<avx2::Halves>, &avx2::narrow, &avx2::swiglu};
+  return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk_of, &avx2::narrow, &avx2::swiglu};
 }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 3, 4>; }
 
