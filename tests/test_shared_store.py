@@ -14,7 +14,7 @@ import time
 
 import msgspec
 import pytest
-from conftest import Stack, free_tcp_port, kvmux_command
+from conftest import Stack, kvmux_command
 
 from kvmux.bench import redis_server as bench_redis
 from kvmux.client import Client, WorkerLost
@@ -120,8 +120,13 @@ def test_a_worker_declared_lost_cannot_overwrite_the_sessions_new_home(redis_ser
 
 def test_one_broker_per_store_and_a_standby_serves_every_session(redis_server, tmp_path):
     store = ["--store", redis_server.url]
-    stack = Stack(workers=0, transport="tcp", broker_args=store)
-    standby = {name: f"tcp://127.0.0.1:{free_tcp_port()}" for name in ("frontend", "backend")}
+    # ipc, not tcp: a client and a worker keep reconnecting to the dead
+    # broker's endpoint, and a local tcp port that nothing holds any more
+    # can end up connected to the reconnecting socket itself (a source port
+    # equal to the destination) or to another test's socket: a request
+    # sent there is lost, and the client waited its whole timeout.
+    stack = Stack(workers=0, broker_args=store)
+    standby = {name: f"ipc://{stack.dir}/standby-{name}.ipc" for name in ("frontend", "backend")}
     # Worker and client know both brokers: each goes to whichever serves.
     stack.add_worker("--store", redis_server.url, "--connect", f"{stack.backend},{standby['backend']}")
     second = None
