@@ -105,7 +105,7 @@ void attend_chunk_of(const Attention& a, int r0, int r1, int kv, int j0, int j1,
 IsaKernels kernels_avx2() {
   return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk_of, &avx2::narrow, &avx2::swiglu};
 }
-BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, 3, 4>; }
+BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, TILE_AVX2, 4>; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options

@@ -80,7 +80,7 @@ struct V {
 IsaKernels kernels_avx512() {
   return {&avx512::attend_part<avx512::Wide>, &avx512::attend_chunk<avx512::Wide>, &avx512::narrow, &avx512::swiglu};
 }
-BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, 4, 4>; }
+BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, TILE_AVX512, 4>; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options

@@ -80,6 +80,6 @@ struct V {
 IsaKernels kernels_scalar() {
   return {&scalar::attend_part<scalar::Halves>, &scalar::attend_chunk<scalar::Halves>, &scalar::narrow, &scalar::swiglu};
 }
-BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, DIRECT_SCALAR>; }
+BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, TILE_SCALAR, DIRECT_SCALAR>; }
 
 }  // namespace kvmux_native

@@ -153,6 +153,13 @@ BlockFn block_avx512();
 // thread, a 64 x 1536 block in L2, Intel Xeon with AVX-512).
 constexpr int DIRECT_AVX512 = 32, DIRECT_AVX2 = 4, DIRECT_SCALAR = 1;
 
+// Weight rows of a tile of the scratch path (block.h's tile, NB): a
+// thread's item there is a whole number of tiles (qmm.cpp's items_of), so
+// that none runs part empty. On AVX2 an item of 4 rows of 1536 weights
+// (down_proj's, at 8192 floats an item) ran as a tile of 3 and one of 1:
+// 8 rows of x 1.23x slower than in items of 3 (one thread, Intel Xeon).
+constexpr int TILE_AVX512 = 4, TILE_AVX2 = 3, TILE_SCALAR = 1;
+
 // Whether the CPU runs the kernel of `isa`.
 bool supported(Isa isa);
 

@@ -194,27 +194,34 @@ ScaleType scale_type(mx::Dtype dtype) {
 // a contiguous run of weight rows, about a quarter of a thread's share of
 // the job's bytes, so a thread streams long runs (the prefetchers follow
 // them) and claims few items. More rows of x go through a thread's
-// scratch: ROWS weight rows dequantized (~32 KB: they stay in L1/L2 while
-// every row of x passes them) by up to XROWS rows of x (~256 KB, held in
-// L2 while the weight rows are computed).
+// scratch: weight rows dequantized (~32 KB, whole tiles: they stay in
+// L1/L2 while every row of x passes them) by up to XROWS rows of x (~256
+// KB, held in L2 while the weight rows are computed).
 struct Item {
   int problem, n0, n1, m0, m1;
 };
 
 constexpr int XROWS = 64, ITEMS_PER_THREAD = 4;
 
-int direct_rows(Isa isa) {
+// An instruction set's rows of x computed straight from the codes, and
+// its scratch path's weight rows a tile (kernels.h).
+struct Shape {
+  int direct, tile;
+};
+
+Shape shape_of(Isa isa) {
   switch (isa) {
     case Isa::avx512:
-      return DIRECT_AVX512;
+      return {DIRECT_AVX512, TILE_AVX512};
     case Isa::avx2:
-      return DIRECT_AVX2;
+      return {DIRECT_AVX2, TILE_AVX2};
     default:
-      return DIRECT_SCALAR;
+      return {DIRECT_SCALAR, TILE_SCALAR};
   }
 }
 
-std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, int direct) {
+std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, Shape shape) {
+  const int direct = shape.direct;
   std::vector<Item> items;
   size_t direct_bytes = 0;
   for (const auto& p : ps)
@@ -229,7 +236,7 @@ std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, int dire
       for (int n0 = 0; n0 < p.N; n0 += rows) items.push_back({i, n0, std::min(p.N, n0 + rows), 0, p.M});
       continue;
     }
-    const int rows = std::max(4, (8192 / p.K) / 4 * 4);
+    const int rows = std::max(shape.tile, (8192 / p.K) / shape.tile * shape.tile);
     for (int n0 = 0; n0 < p.N; n0 += rows)
       for (int m0 = 0; m0 < p.M; m0 += XROWS)
         items.push_back({i, n0, std::min(p.N, n0 + rows), m0, std::min(p.M, m0 + XROWS)});
@@ -242,14 +249,14 @@ std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, int dire
 void compute(const std::vector<Problem>& ps) {
   const Isa isa = current_isa.load();
   const BlockFn block = block_for(isa);
-  const int direct = direct_rows(isa);
+  const Shape shape = shape_of(isa);
   std::lock_guard<std::mutex> lock(pool_mutex);
-  const auto items = items_of(ps, pool->size(), direct);
+  const auto items = items_of(ps, pool->size(), shape);
   pool->run(int(items.size()), [&](int at) {
     const Item& item = items[at];
     const Problem& p = ps[item.problem];
     thread_local std::vector<float> scratch;
-    if (item.m1 - item.m0 > direct && scratch.size() < size_t(item.n1 - item.n0) * p.K)
+    if (item.m1 - item.m0 > shape.direct && scratch.size() < size_t(item.n1 - item.n0) * p.K)
       scratch.resize(size_t(item.n1 - item.n0) * p.K);
     block(p, item.n0, item.n1, item.m0, item.m1, scratch.data());
   });
