@@ -197,15 +197,19 @@ def test_closes_that_wait_for_a_running_generation_each_get_their_answer(raw, sh
     the worker stops the generation at its next token, closes once, and
     answers both (a second waiting close used to replace the first, which
     then never got an answer)."""
-    _, opened = raw.call(Op.OPEN, p.OpenSession())
-    sid = opened.session_id
-    generating = raw.send(
-        Op.GENERATE, p.Generate(messages=[p.ChatMessage("user", "Tell a long story.")], max_tokens=200), sid
-    )
-    env, _ = raw.recv()
-    assert env.request_id == generating and env.op == Op.PARTIAL  # it runs
     other = Raw(shared_stack.frontend)
     try:
+        # Its connection up first: a close sent on a connection still being
+        # made can reach the worker after the first close has ended the
+        # session (then it is rightly told there is no such session).
+        other.call(Op.PING, p.Ping())
+        _, opened = raw.call(Op.OPEN, p.OpenSession())
+        sid = opened.session_id
+        generating = raw.send(
+            Op.GENERATE, p.Generate(messages=[p.ChatMessage("user", "Tell a long story.")], max_tokens=200), sid
+        )
+        env, _ = raw.recv()
+        assert env.request_id == generating and env.op == Op.PARTIAL  # it runs
         first, second = raw.send(Op.CLOSE, p.Close(), sid), other.send(Op.CLOSE, p.Close(), sid)
         answers = {}
         while first not in answers:
