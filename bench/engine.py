@@ -15,7 +15,11 @@ has it), as ratios of two sides measured in interleaved repeats (A B A B
   worker/attention.py), against the worker's pass;
 - padding: decode at a full window and 8 shared sessions, padded as the
   batch-invariant mode pads against as the default mode runs here
-  (worker/padding.py; 1.0 where the default pads too).
+  (worker/padding.py; 1.0 where the default pads too);
+- sampling: 1 and 8 sessions decoding sampled tokens (temperature 0.7,
+  top-p 0.9, each step's token chosen as the worker chooses it) with
+  kvmux_native's sampler against mlx-lm's, at an empty cache (where
+  kvmux_native runs the model).
 
 The passes are padded as a worker's are in the mode asked for, decided
 the same way (the report's `padding`). `kvmux bench engine` measures each
@@ -38,6 +42,8 @@ from .report import ReportWriter, ratio_summary
 
 MESSAGE_TOKENS = 24
 VERIFY_ROWS = (9, 17)  # a token and 8 drafts (the lookup's usual k), and the most a pass verifies
+SAMPLED_SESSIONS = (1, 8)
+SAMPLED = (0.7, 0.9, 0)  # temperature, top-p, top-k: a chat client's usual settings
 
 
 @dataclass
@@ -156,6 +162,30 @@ class Bench:
             mx.eval(logits, [[c.state for c in slab] for slab in slabs])
         return n * len(slabs) / (time.perf_counter() - started)
 
+    def sampled_tps(self, slabs: list[list], native) -> float:
+        """Tokens/s of len(slabs) sessions decoding in shared passes, each
+        step's token sampled from the last (decoding.Choice: `native`'s
+        sampler, or mlx-lm's where None) and fed to the next."""
+        from kvmux.protocol import SpeculativeMode
+        from kvmux.worker.decoding import Choice, GenerationParams
+        from kvmux.worker.forward import Segment, forward
+
+        mx = self.mx
+        n = self.cfg.decode_tokens
+        choices = [
+            Choice(GenerationParams(n, *SAMPLED, seed=i, stop=[], speculative=SpeculativeMode.OFF), native)
+            for i in range(len(slabs))
+        ]
+        tokens = [mx.array([100 + i]) for i in range(len(slabs))]
+        started = time.perf_counter()
+        for step in range(n):
+            logits = forward(
+                self.model, [Segment(t, slab, True) for t, slab in zip(tokens, slabs, strict=True)], self.floors
+            )
+            tokens = [c.sample(row, step) for c, row in zip(choices, logits, strict=True)]
+            mx.eval(tokens, [[c.state for c in slab] for slab in slabs])
+        return n * len(slabs) / (time.perf_counter() - started)
+
     def pass_s(self, cache: list, rows: int) -> float:
         """Seconds of a pass of `rows` decode rows: a token and its drafts,
         the drafts taken back after (all rejected), as a worker does."""
@@ -182,12 +212,16 @@ class Bench:
 
 
 def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
+    from kvmux.worker import cpu_kernel
+
     bench = Bench(cfg)
     writer = ReportWriter(output, "engine", asdict(cfg))
     results: dict = {}
     writer.doc["padding"] = asdict(bench.padding)
     writer.doc["results"] = results
-    cases = len(cfg.windows) * (6 + len(VERIFY_ROWS) + 2 * len(cfg.sessions))
+    native = cpu_kernel.native_of(bench.model)
+    sampled = len(SAMPLED_SESSIONS) if native else 0
+    cases = len(cfg.windows) * (6 + len(VERIFY_ROWS) + 2 * len(cfg.sessions) + sampled)
     padded = bench.padding.calibrated
     with tqdm(total=cases * cfg.repeats, desc="engine", unit="pair", disable=not progress) as bar:
         for window in cfg.windows:
@@ -225,11 +259,11 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
                 lambda k=eight: bench.shared_tps(k), lambda k=eight: bench.shared_tps(k, floors=padded), bar
             )
             del stock_full, full, eight
+
+            def fresh(n, empty=empty):
+                return [empty() for _ in range(n)]
+
             for count in cfg.sessions:
-
-                def fresh(n, empty=empty):
-                    return [empty() for _ in range(n)]
-
                 r[f"shared_{count}_vs_1_empty"] = bench.interleaved(
                     lambda f=fresh: bench.shared_tps(f(1)), lambda f=fresh, c=count: bench.shared_tps(f(c)), bar
                 )
@@ -239,6 +273,12 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
                     lambda k=kept: bench.shared_tps(k[:1]), lambda k=kept: bench.shared_tps(k), bar
                 )
                 del kept
+            for count in SAMPLED_SESSIONS if native else ():
+                r[f"sampled_{count}_kernel_vs_mlx_lm_empty"] = bench.interleaved(
+                    lambda f=fresh, c=count: bench.sampled_tps(f(c), None),
+                    lambda f=fresh, c=count: bench.sampled_tps(f(c), native),
+                    bar,
+                )
             writer.write()
     writer.write("done")
     return writer.doc

@@ -2,11 +2,14 @@
 real weights: the quantized matmul against MLX's own dequantize + matmul
 for every width and group size, a row's bits whatever else the product
 holds and whichever instruction set runs it, the fused norm and rope
-against mx.fast's, a layer's fused halves against the separate ops, bad
-arguments refused by name, and the whole model's logits against float32
-copies of the same weights."""
+against mx.fast's, a layer's fused halves against the separate ops, the
+sampler against mlx-lm's chain and its draws against its distribution,
+bad arguments refused by name, and the whole model's logits against
+float32 copies of the same weights."""
 
 from __future__ import annotations
+
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -391,6 +394,95 @@ def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
         native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up"))
     with pytest.raises(ValueError, match="residual"):
         native.qmatmul(attended, codes, s, b, group, bits, residual=h[:, :3])
+
+
+VOCAB = 49152  # SmolLM2's
+# (temperature, top_p, top_k): a temperature alone, top-p, top-k, both.
+SAMPLINGS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (0.7, 1.0, 40), (1.5, 0.95, 50), (0.3, 0.5, 3)]
+
+
+def _logit_rows() -> mx.array:
+    """Two rows of a vocabulary's logits: flat (thousands of tokens in a
+    0.9 nucleus) and peaked (tens), a stretch masked out (-inf, as a
+    grammar masks tokens) and a tie for the highest in the second."""
+    flat = mx.random.normal((VOCAB,), key=mx.random.key(5)) * 3
+    ids = mx.arange(VOCAB)
+    peaked = flat * 0.5 + mx.where(ids % 997 == 0, 12.0, 0.0)
+    peaked = mx.where(ids == 997 * 7, peaked.max(), peaked)
+    return mx.where((ids >= 1000) & (ids < 1100), -mx.inf, mx.stack([flat, peaked]))
+
+
+def test_the_sampler_at_temperature_zero_takes_mx_argmaxs_token():
+    rows = _logit_rows()
+    assert native.sample(rows, 0.0, 1.0, 0, []).tolist() == mx.argmax(rows, axis=-1).tolist()
+    assert native.sample(mx.array([[1.0, 3.0, 3.0, -2.0]]), 0.0, 1.0, 0, []).tolist() == [1]  # a tie: the first
+    assert native.sample(mx.array([-mx.inf, -mx.inf]), 0.0, 1.0, 0, []).item() == 0
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), SAMPLINGS)
+def test_the_samplers_distribution_is_mlx_lms_chains(temperature, top_p, top_k):
+    """Against mlx-lm's top-p, top-k and temperature (worker/speculative.py's
+    MLX path). mlx-lm sums top-p's mass in float32: a token whose mass above
+    it is within float32's error of the bound may stay on one side only."""
+    from kvmux.worker.speculative import distributions
+
+    rows = _logit_rows()
+    want = distributions(rows, temperature, top_p, top_k)
+    got = np.asarray(native.distribution(rows, temperature, top_p, top_k), dtype=np.float64)
+    for logits, w, g in zip(np.asarray(rows, dtype=np.float64), want, got, strict=True):
+        assert abs(g.sum() - 1) < 1e-5 and not g[1000:1100].any()
+        assert 0.5 * np.abs(w - g).sum() < 1e-3
+        differ = np.nonzero((w > 0) != (g > 0))[0]
+        if top_p == 1.0 or top_k:
+            assert differ.size == 0
+        order = np.argsort(-logits, kind="stable")
+        weights = np.exp(logits - logits.max())
+        above = np.concatenate([[0.0], np.cumsum(weights[order])])[np.argsort(order)] / weights.sum()
+        assert (np.abs(above[differ] - top_p) < 1e-4).all()
+
+
+def test_the_sampler_keeps_every_token_for_top_p_one_and_top_k_past_the_vocabulary():
+    rows = _logit_rows()
+    every = np.asarray(native.distribution(rows, 0.8, 1.0, 0))
+    assert np.array_equal(np.asarray(native.distribution(rows, 0.8, 1.0, VOCAB)), every)
+    assert np.array_equal(np.asarray(native.distribution(rows, 0.8, 0.0, -1)), every)
+    assert (every[:, :1000] > 0).all()
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), SAMPLINGS)
+def test_the_sampler_draws_each_token_by_its_share_of_the_uniform_numbers(temperature, top_p, top_k):
+    """Uniform numbers on an even grid draw each token as often as its
+    probability says, to the grid's step: the draw is the distribution's
+    inverse, one uniform number a token, each row's its own."""
+    rows = _logit_rows()[1:]
+    p = np.asarray(native.distribution(rows, temperature, top_p, top_k), dtype=np.float64)[0]
+    n = 4000
+    grid = ((np.arange(n) + 0.5) / n).tolist()
+    tokens = np.asarray(native.sample(mx.repeat(rows, n, axis=0), temperature, top_p, top_k, grid))
+    assert not np.isin(tokens, np.nonzero(p == 0)[0]).any()
+    counts = np.bincount(tokens, minlength=VOCAB) / n
+    assert np.abs(counts - p).max() <= 1.0 / n + 1e-6
+    alone = [native.sample(rows, temperature, top_p, top_k, [u]).item() for u in grid[::500]]
+    assert alone == tokens[::500].tolist()
+    try:  # the same distribution on every instruction set
+        for isa in native.isas():
+            native.set_isa(isa)
+            assert np.array_equal(np.asarray(native.distribution(rows, temperature, top_p, top_k))[0], p)
+    finally:
+        native.set_isa(native.isas()[0])
+
+
+def test_the_sampler_refuses_bad_arguments_by_name():
+    rows = _logit_rows()
+    for call, says in (
+        (lambda: native.sample(rows, 1.0, 1.0, 0, [0.5]), "one uniform number per row"),
+        (lambda: native.sample(rows, 1.0, 1.0, 0, [0.5, 1.0]), "in [0, 1)"),
+        (lambda: native.sample(rows, -1.0, 1.0, 0, []), "temperature"),
+        (lambda: native.distribution(mx.array([[1, 2]]), 1.0, 1.0, 0), "floating-point"),
+        (lambda: native.distribution(mx.zeros((2, 0)), 1.0, 1.0, 0), "at least one token"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            call()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,11 @@ from .constraint import Constraint, masked
 from .speculative import Proposal, accept_greedy, accept_sampled, distributions
 from .stops import StopMatcher
 
+# The sampler's uniform numbers come from NumPy generators seeded by (seed,
+# step, SAMPLE_STREAM): apart from those of a verify pass's acceptance
+# (`Choice.rng`, seeded by (seed, step)).
+SAMPLE_STREAM = 1
+
 
 @dataclass
 class GenerationParams:
@@ -40,18 +45,30 @@ class GenerationParams:
 
 class Choice:
     """Choosing a generation's tokens from the model's logits: greedy, or
-    sampled with a seed per step (sessions interleave on MLX's one global
-    PRNG, and a seed must give the same tokens however they interleave),
-    within the grammar's masks where it has one."""
+    sampled with a seed per step (a seed must give the same tokens however
+    sessions interleave), within the grammar's masks where it has one.
 
-    def __init__(self, params: GenerationParams):
+    Where kvmux_native runs the model (`native`), its sampler draws each
+    token, in the lazy graph, by one uniform number from (seed, step): the
+    distribution of mlx-lm's chain, whose MLX ops (a sort, exps over the
+    vocabulary) cost a CPU step 1.9-9 ms a token. Elsewhere mlx-lm's
+    sampler draws it from MLX's global PRNG, reseeded from (seed, step)."""
+
+    def __init__(self, params: GenerationParams, native=None):
         self.params = params
         self.grammar = params.constraint
+        self.native = native
         self.sampling = (params.temperature, params.top_p, params.top_k) if params.temperature else None
-        top_p = params.top_p if params.top_p < 1 else 0.0
-        self._sampler = make_sampler(params.temperature, top_p=top_p, top_k=params.top_k)
+        if native is None:
+            top_p = params.top_p if params.top_p < 1 else 0.0
+            self._sampler = make_sampler(params.temperature, top_p=top_p, top_k=params.top_k)
 
     def sample(self, logits: mx.array, step: int) -> mx.array:
+        if self.native is not None:
+            if not self.sampling:  # the first highest logit, as mx.argmax
+                return self.native.sample(logits, 0.0, 1.0, 0, [])
+            uniforms = np.random.default_rng([self.params.seed & 0xFFFFFFFF, step, SAMPLE_STREAM])
+            return self.native.sample(logits, *self.sampling, uniforms.random(logits.shape[0]).tolist())
         if not self.sampling:
             return mx.argmax(logits, axis=-1)  # on the logits as they are: the verify pass's choice too
         mx.random.seed((self.params.seed * 1_000_003 + step) & 0xFFFFFFFF)
@@ -87,7 +104,7 @@ class Choice:
             mx.async_eval(following)
             return 0, following, None
         if self.sampling:
-            kept, token = accept_sampled(distributions(choosing, *self.sampling), proposal, rng)
+            kept, token = accept_sampled(distributions(choosing, *self.sampling, self.native), proposal, rng)
         else:
             choices = mx.argmax(choosing, axis=-1).tolist()
             kept = accept_greedy(choices, proposal.tokens)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import forward
+from . import cpu_kernel, forward
 from .model import LoadedModel
 from .slab import SlabCache, rewind, widest
 from .speculative import MAX_DRAFT, Proposal, distributions
@@ -50,6 +50,7 @@ class Drafter:
         self.loaded = loaded
         self.model = loaded.model
         self.batched = forward.supported(self.model)
+        self.native = cpu_kernel.native_of(self.model)  # its sampler's distributions
         self.floors = forward.Floors()  # draft rows need not be row-invariant
 
     def new_cache(self, sink: int, window: int) -> DraftCache:
@@ -85,7 +86,7 @@ class Drafter:
             if sampling is None:
                 token = int(mx.argmax(logits, axis=-1).item())
             else:
-                dist = distributions(logits, *sampling)[0]
+                dist = distributions(logits, *sampling, self.native)[0]
                 q.append(dist)
                 token = int(rng.choice(len(dist), p=dist))
             tokens.append(token)

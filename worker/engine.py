@@ -39,7 +39,7 @@ from kvmux.protocol import (
 )
 from kvmux.sessions import SessionState
 
-from . import forward, padding, tool_calls
+from . import cpu_kernel, forward, padding, tool_calls
 from .constraint import Grammars
 from .conversation import Conversation
 from .decoding import Choice, Emission, GenerationParams
@@ -364,7 +364,8 @@ class Engine:
         """
         if session.logits is None:
             raise ProtocolError(ErrorCode.INVALID_ARGUMENT, "nothing to continue from: append something first")
-        choice, emission = Choice(params), Emission(self.tokenizer, params, self.eos)
+        choice = Choice(params, cpu_kernel.native_of(self.model))
+        emission = Emission(self.tokenizer, params, self.eos)
         result = GenerationEnd(StopReason.CANCELLED, "")
         emitted, known = 0, None
         row = session.logits  # the logits `y` is drawn from (for its logprobs)

@@ -75,9 +75,13 @@ def accept_greedy(choices: list[int], drafts: list[int]) -> int:
     return accepted
 
 
-def distributions(logits: mx.array, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+def distributions(logits: mx.array, temperature: float, top_p: float, top_k: int, native=None) -> np.ndarray:
     """(rows, vocab) float64: the distribution plain sampling draws each
-    row's token from (mlx-lm's sampler chain: top-p, top-k, temperature)."""
+    row's token from (mlx-lm's sampler chain: top-p, top-k, temperature);
+    kvmux_native's where it samples (`native`, decoding.Choice)."""
+    if native is not None:
+        probs = np.asarray(native.distribution(logits, temperature, top_p, top_k), dtype=np.float64)
+        return probs / probs.sum(axis=-1, keepdims=True)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if 0 < top_p < 1:
         logprobs = apply_top_p(logprobs, top_p)

@@ -8,7 +8,10 @@
 - `attend`: attention at one layer for every session of a pass (decode
   rows and prefill chunks), their slabs' float16 writes included, one op;
 - `attention_in` and `mlp`: a llama-style layer's halves around the slab
-  (its norms, seven products, rope, swiglu, residual adds), one op each.
+  (its norms, seven products, rope, swiglu, residual adds), one op each;
+- `sample` and `distribution`: tokens drawn from logits as mlx-lm's
+  sampler chain draws them (top-p, top-k, temperature), and the
+  distribution they are drawn from.
 
 Built against one mlx release: under another, the compiled module would
 crash or refuse every call, so importing it then fails here instead."""
@@ -19,12 +22,14 @@ from ._ext import (
     attend,
     attention_in,
     built_with,
+    distribution,
     isa,
     isas,
     mlp,
     qmatmul,
     rms_norm,
     rope,
+    sample,
     set_isa,
     set_threads,
     threads,
@@ -38,12 +43,14 @@ if built_with() != mx.__version__:
 __all__ = [
     "attend",
     "attention_in",
+    "distribution",
     "isa",
     "isas",
     "mlp",
     "qmatmul",
     "rms_norm",
     "rope",
+    "sample",
     "set_isa",
     "set_threads",
     "threads",

@@ -6,6 +6,7 @@
 #include "fused.h"
 #include "layer.h"
 #include "qmm.h"
+#include "sample.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -45,6 +46,12 @@ NB_MODULE(_ext, m) {
         "chunks"_a, "Attention at one layer for every session of a pass (decode rows and prefill chunks), their "
         "slabs' float16 writes included, as one CPU op (see fused.h): the attended rows, then each slab's keys and "
         "values.");
+  m.def("sample", &kvmux_native::sample, "logits"_a, "temperature"_a, "top_p"_a, "top_k"_a, "uniforms"_a,
+        "Tokens drawn from logits (..., V) as mlx-lm's sampler chain draws them (top-p, then top-k, at temperature "
+        "1, then the temperature), each row's by one uniform number in [0, 1); temperature 0: the argmax (see "
+        "sample.h).");
+  m.def("distribution", &kvmux_native::distribution, "logits"_a, "temperature"_a, "top_p"_a, "top_k"_a,
+        "The distribution `sample` draws each row's token from (float32, logits' shape).");
   m.def("built_with", [] { return std::string(KVMUX_MLX_VERSION); }, "The mlx release this module was built against.");
   m.def("isa", &kvmux_native::isa, "The instruction set the kernel runs: avx512, avx2 or scalar.");
   m.def("isas", &kvmux_native::isas, "Every instruction set this CPU runs the kernel in, best first.");

@@ -85,6 +85,7 @@ struct V {
 #include "block.h"
 #include "attend.h"
 #include "swiglu.h"
+#include "exps.h"
 
 namespace {
 
@@ -103,7 +104,8 @@ void attend_chunk_of(const Attention& a, int r0, int r1, int kv, int j0, int j1,
 }  // namespace avx2
 
 IsaKernels kernels_avx2() {
-  return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk_of, &avx2::narrow, &avx2::swiglu};
+  return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk_of, &avx2::narrow,
+          &avx2::swiglu, &avx2::exps};
 }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, TILE_AVX2, 4>; }
 

@@ -74,11 +74,13 @@ struct V {
 #include "block.h"
 #include "attend.h"
 #include "swiglu.h"
+#include "exps.h"
 
 }  // namespace avx512
 
 IsaKernels kernels_avx512() {
-  return {&avx512::attend_part<avx512::Wide>, &avx512::attend_chunk<avx512::Wide>, &avx512::narrow, &avx512::swiglu};
+  return {&avx512::attend_part<avx512::Wide>, &avx512::attend_chunk<avx512::Wide>, &avx512::narrow,
+          &avx512::swiglu, &avx512::exps};
 }
 BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, TILE_AVX512, 4>; }
 

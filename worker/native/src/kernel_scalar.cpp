@@ -74,11 +74,13 @@ struct V {
 #include "block.h"
 #include "attend.h"
 #include "swiglu.h"
+#include "exps.h"
 
 }  // namespace scalar
 
 IsaKernels kernels_scalar() {
-  return {&scalar::attend_part<scalar::Halves>, &scalar::attend_chunk<scalar::Halves>, &scalar::narrow, &scalar::swiglu};
+  return {&scalar::attend_part<scalar::Halves>, &scalar::attend_chunk<scalar::Halves>, &scalar::narrow,
+          &scalar::swiglu, &scalar::exps};
 }
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, TILE_SCALAR, DIRECT_SCALAR>; }
 

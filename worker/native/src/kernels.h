@@ -113,12 +113,16 @@ using NarrowFn = void (*)(const float* x, size_t n, uint16_t* out);
 // silu(gate) * up into gate, n values (swiglu.h).
 using SwigluFn = void (*)(float* gate, const float* up, size_t n);
 
+// exp((x - shift) * scale) of n values into out (exps.h).
+using ExpsFn = void (*)(const float* x, size_t n, float shift, float scale, float* out);
+
 // An instruction set's kernels besides the products (BlockFn).
 struct IsaKernels {
   AttendFn attend;
   ChunkFn chunk;
   NarrowFn narrow;
   SwigluFn swiglu;
+  ExpsFn exps;
 };
 
 IsaKernels kernels_scalar();
