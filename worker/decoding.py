@@ -159,14 +159,16 @@ class Emission:
     def _logprobs(self, row: mx.array, token: int, top: int) -> Logprobs:
         """`token`'s log-probability under the model's distribution `row`
         (its logits, before temperature, top-p or a grammar), and the `top`
-        most likely tokens there."""
-        logprobs = (row - mx.logsumexp(row, axis=-1, keepdims=True))[0]
+        most likely tokens there. In NumPy, its sum in float64: MLX's CPU
+        logsumexp and argpartition over a vocabulary took 0.8-1.7 ms a
+        token (a scalar exp), NumPy's 0.2-0.5."""
+        logits = np.asarray(row[0].astype(mx.float32))
+        high = logits.max()
+        logprobs = logits - np.float32(high + np.log(np.exp(logits - high).sum(dtype=np.float64)))
         best = []
         if top:
-            ids = mx.argpartition(-logprobs, top - 1)[:top]
-            values = logprobs[ids].tolist()
+            ids = np.argpartition(-logprobs, top - 1)[:top].tolist()
             best = sorted(
-                (TokenLogprob(t, v, self.decode([t])) for t, v in zip(ids.tolist(), values, strict=True)),
-                key=lambda e: -e.logprob,
+                (TokenLogprob(t, float(logprobs[t]), self.decode([t])) for t in ids), key=lambda e: -e.logprob
             )
-        return Logprobs(token=token, logprob=logprobs[token].item(), text=self.decode([token]), top=best)
+        return Logprobs(token=token, logprob=float(logprobs[token]), text=self.decode([token]), top=best)
