@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 from kvmux.protocol import Format, Logprobs, NamedTool, SpeculativeMode, StopReason, TokenLogprob, ToolChoice
 
 from .constraint import Constraint, masked
-from .speculative import Proposal, accept_greedy, accept_sampled, distributions
+from .speculative import Proposal, accept_greedy, accept_sampled, argmax, distributions
 from .stops import StopMatcher
 
 # The sampler's uniform numbers come from NumPy generators seeded by (seed,
@@ -64,13 +64,11 @@ class Choice:
             self._sampler = make_sampler(params.temperature, top_p=top_p, top_k=params.top_k)
 
     def sample(self, logits: mx.array, step: int) -> mx.array:
+        if not self.sampling:
+            return argmax(logits, self.native)  # on the logits as they are: the verify pass's choice too
         if self.native is not None:
-            if not self.sampling:  # the first highest logit, as mx.argmax
-                return self.native.sample(logits, 0.0, 1.0, 0, [])
             uniforms = np.random.default_rng([self.params.seed & 0xFFFFFFFF, step, SAMPLE_STREAM])
             return self.native.sample(logits, *self.sampling, uniforms.random(logits.shape[0]).tolist())
-        if not self.sampling:
-            return mx.argmax(logits, axis=-1)  # on the logits as they are: the verify pass's choice too
         mx.random.seed((self.params.seed * 1_000_003 + step) & 0xFFFFFFFF)
         return self._sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
@@ -106,7 +104,7 @@ class Choice:
         if self.sampling:
             kept, token = accept_sampled(distributions(choosing, *self.sampling, self.native), proposal, rng)
         else:
-            choices = mx.argmax(choosing, axis=-1).tolist()
+            choices = argmax(choosing, self.native).tolist()
             kept = accept_greedy(choices, proposal.tokens)
             token = choices[kept]
         if self.grammar:

@@ -20,7 +20,7 @@ import numpy as np
 from . import cpu_kernel, forward
 from .model import LoadedModel
 from .slab import SlabCache, rewind, widest
-from .speculative import MAX_DRAFT, Proposal, distributions
+from .speculative import MAX_DRAFT, Proposal, argmax, distributions
 
 CATCH_UP_CHUNK = 256
 
@@ -50,7 +50,7 @@ class Drafter:
         self.loaded = loaded
         self.model = loaded.model
         self.batched = forward.supported(self.model)
-        self.native = cpu_kernel.native_of(self.model)  # its sampler's distributions
+        self.native = cpu_kernel.native_of(self.model)  # its argmax and sampler's distributions
         self.floors = forward.Floors()  # draft rows need not be row-invariant
 
     def new_cache(self, sink: int, window: int) -> DraftCache:
@@ -84,7 +84,7 @@ class Drafter:
         cache.fed = k
         for i in range(k):
             if sampling is None:
-                token = int(mx.argmax(logits, axis=-1).item())
+                token = int(argmax(logits, self.native).item())
             else:
                 dist = distributions(logits, *sampling, self.native)[0]
                 q.append(dist)

@@ -75,6 +75,13 @@ def accept_greedy(choices: list[int], drafts: list[int]) -> int:
     return accepted
 
 
+def argmax(logits: mx.array, native=None) -> mx.array:
+    """Each row's first highest logit (mx.argmax's token): kvmux_native's
+    op where it runs the model (MLX's CPU argmax is a scalar loop, ~60 us a
+    row of SmolLM2's 49,152 logits, serial over a pass's sessions)."""
+    return mx.argmax(logits, axis=-1) if native is None else native.sample(logits, 0.0, 1.0, 0, [])
+
+
 def distributions(logits: mx.array, temperature: float, top_p: float, top_k: int, native=None) -> np.ndarray:
     """(rows, vocab) float64: the distribution plain sampling draws each
     row's token from (mlx-lm's sampler chain: top-p, top-k, temperature);
