@@ -15,6 +15,9 @@ side in one run:
   child process per run), interleaved pairs, the same prompt tokens; the
   instruction sets that llama.cpp ran (`llama_cpp_system_info`: the
   haswell family's is built for AVX2 alone, bench/kernels.py);
+- vs_llama_cpp_sampled: the same, both sampling at a chat client's usual
+  settings (SAMPLED: temperature 0.7, top-p 0.9; llama.cpp without its
+  default top-k and min-p);
 - vs_float32: the same decode, and a 1,000-token message's prefill, on a
   daemon with `--cpu-kernel off` (float32 copies of the weights: what a
   worker did before, and does where the kernel is not built),
@@ -53,6 +56,7 @@ from .report import ratio_summary
 COPY_BYTES = 256 << 20
 PREFILL_TOKENS = 1000
 LLAMA_CPP_CONTEXT = 4096
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 1}
 
 
 def bandwidth(threads: int, repeats: int = 5) -> dict:
@@ -117,10 +121,11 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def llama_cpp_decode(gguf: str, prompt_ids: list[int], tokens: int, threads: int) -> dict:
-    """llama.cpp's greedy decode of `tokens` after `prompt_ids`, in a child
-    process (its threads and memory apart from the daemon's)."""
-    args = json.dumps({"gguf": gguf, "prompt": prompt_ids, "tokens": tokens, "threads": threads})
+def llama_cpp_decode(gguf: str, prompt_ids: list[int], tokens: int, threads: int, sampling: dict) -> dict:
+    """llama.cpp's decode of `tokens` after `prompt_ids` (greedy, or with
+    kvmux's `sampling` settings), in a child process (its threads and
+    memory apart from the daemon's)."""
+    args = json.dumps({"gguf": gguf, "prompt": prompt_ids, "tokens": tokens, "threads": threads, "sampling": sampling})
     done = subprocess.run(
         [sys.executable, "-c", "from kvmux.bench.cpu import llama_cpp_child; llama_cpp_child()", args],
         capture_output=True,
@@ -133,20 +138,26 @@ def llama_cpp_decode(gguf: str, prompt_ids: list[int], tokens: int, threads: int
 
 
 def llama_cpp_child() -> None:
-    """The child's side: load, prefill, decode greedily, print the timings."""
+    """The child's side: load, prefill, decode, print the timings."""
     from llama_cpp import Llama, llama_print_system_info
 
     args = json.loads(sys.argv[1])
+    sampling = args["sampling"]
     llm = Llama(
         model_path=args["gguf"],
         n_ctx=LLAMA_CPP_CONTEXT,
         n_threads=args["threads"],
         n_threads_batch=args["threads"],
+        seed=sampling.get("seed", 0),
         verbose=False,
     )
+    if sampling:  # top_k 0: no top-k, as kvmux's requests here
+        chain = {"top_k": 0, "top_p": sampling["top_p"], "temp": sampling["temperature"]}
+    else:
+        chain = {"top_k": 1, "top_p": 1.0, "temp": 0.0}
     stamps, ids = [], []
     start = time.perf_counter()
-    for token in llm.generate(args["prompt"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+    for token in llm.generate(args["prompt"], min_p=0.0, repeat_penalty=1.0, **chain):
         stamps.append(time.perf_counter())
         ids.append(token)
         if len(ids) == args["tokens"]:
@@ -176,8 +187,9 @@ def _prefill(client: Client, message_ids: list[int]) -> float:
 
 
 def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: int, tokens: int, decode) -> dict:
-    """The part's report (see the module's docstring); `decode(client)` is
-    bench perf's one-session stream (`stack_decode`) of `tokens` tokens."""
+    """The part's report (see the module's docstring); `decode(client,
+    sampling)` is bench perf's one-session stream (`stack_decode`) of
+    `tokens` tokens, greedy where `sampling` is empty."""
     threads = len(os.sched_getaffinity(0))
     doc: dict = {"threads": threads, "decode_tokens": tokens, "bandwidth": bandwidth(threads)}
     doc["kernel"] = kernel_rate(loaded)
@@ -198,16 +210,21 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         variants = {"glibc_malloc": glibc_malloc, "small_pages": small_pages}
         workers |= {name: c.stats().workers[0] for name, c in variants.items() if c is not None}
         doc["compute"] = {name: w.compute.kernel for name, w in workers.items()}
-        vs_llama, vs_off, prefill = [], [], []
+        vs_llama, vs_llama_sampled, vs_off, prefill = [], [], [], []
         vs_variant: dict[str, list] = {name: [] for name, c in variants.items() if c is not None}
         last: dict = {}
         for _ in range(repeats):
             if llama:
-                last["llama_cpp"] = llama_cpp_decode(model_path, story_ids, tokens, threads)
-            last["kvmux"] = decode(kernel)
-            last["float32"] = decode(off)
+                last["llama_cpp"] = llama_cpp_decode(model_path, story_ids, tokens, threads, {})
+                last["llama_cpp_sampled"] = llama_cpp_decode(model_path, story_ids, tokens, threads, SAMPLED)
+                last["kvmux_sampled"] = decode(kernel, SAMPLED)
+                vs_llama_sampled.append(
+                    (last["llama_cpp_sampled"]["decode_tokens_per_s"], last["kvmux_sampled"]["decode_tokens_per_s"])
+                )
+            last["kvmux"] = decode(kernel, {})
+            last["float32"] = decode(off, {})
             for name, pairs in vs_variant.items():
-                last[name] = decode(variants[name])
+                last[name] = decode(variants[name], {})
                 pairs.append((last[name]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
             if llama:
                 vs_llama.append((last["llama_cpp"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
@@ -216,6 +233,8 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
             progress.update()
         progress.close()
         doc["vs_llama_cpp_decode"] = ratio_summary(vs_llama) if llama else None
+        doc["vs_llama_cpp_sampled_decode"] = ratio_summary(vs_llama_sampled) if llama else None
+        doc["sampled"] = SAMPLED
         doc["vs_float32_decode"] = ratio_summary(vs_off)
         for name in variants:
             doc[f"vs_{name}_decode"] = ratio_summary(vs_variant[name]) if name in vs_variant else None
@@ -255,6 +274,8 @@ def ratios(doc: dict) -> dict:
     }
     if doc["vs_llama_cpp_decode"]:
         out["cpu_decode_vs_llama_cpp"] = doc["vs_llama_cpp_decode"]["median"]
+    if doc.get("vs_llama_cpp_sampled_decode"):
+        out["cpu_sampled_decode_vs_llama_cpp"] = doc["vs_llama_cpp_sampled_decode"]["median"]
     for name in ("glibc_malloc", "small_pages"):
         if doc.get(f"vs_{name}_decode"):
             out[f"cpu_decode_vs_{name}"] = doc[f"vs_{name}_decode"]["median"]

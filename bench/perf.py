@@ -85,10 +85,11 @@ class PerfConfig:
     draft_quantized: bool = False
 
 
-def _stream_decode(session, max_tokens: int) -> dict:
-    """Time one generate stream on the client: first chunk to last chunk."""
+def _stream_decode(session, max_tokens: int, **sampling) -> dict:
+    """Time one generate stream on the client: first chunk to last chunk
+    (greedy, or with the `sampling` settings given)."""
     stamps, tokens = [], []
-    stream = session.generate(max_tokens=max_tokens, speculative=PLAIN)
+    stream = session.generate(max_tokens=max_tokens, speculative=PLAIN, **sampling)
     for chunk in stream:
         stamps.append(time.perf_counter())
         tokens.append(len(chunk.token_ids))
@@ -102,11 +103,11 @@ def _stream_decode(session, max_tokens: int) -> dict:
     }
 
 
-def stack_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig) -> dict:
+def stack_decode(client: Client, prompt_ids: list[int], cfg: PerfConfig, **sampling) -> dict:
     """One stream through the stack, from the same prompt tokens."""
     with client.open_session(sink=cfg.sink, window=cfg.window) as session:
         session.append(token_ids=prompt_ids)
-        run = _stream_decode(session, cfg.decode_tokens)
+        run = _stream_decode(session, cfg.decode_tokens, **sampling)
         run["token_ids"] = session.info(token_ids=True).token_ids[len(prompt_ids) :]
     return run
 
@@ -283,7 +284,7 @@ def run(cfg: PerfConfig, output: Path) -> dict:
         PASSAGE,
         cfg.repeats,
         cfg.decode_tokens,
-        lambda c: stack_decode(c, story_ids, cfg),
+        lambda c, sampling: stack_decode(c, story_ids, cfg, **sampling),
     )
     writer.write()
     if cfg.only == "cpu":
