@@ -28,6 +28,25 @@ double sum_of(const float* v, size_t n) {
   return total;
 }
 
+// The weight q of the tokens whose logit is at least `floor`, and their
+// count: loops without a branch, for the candidates' span.
+double weight_from(const float* l, const float* q, int V, float floor) {
+  double s[8] = {};
+  int i = 0;
+  for (; i + 8 <= V; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += l[i + j] >= floor ? double(q[i + j]) : 0.0;
+  for (; i < V; ++i) s[i % 8] += l[i] >= floor ? double(q[i]) : 0.0;
+  double total = 0;
+  for (double x : s) total += x;
+  return total;
+}
+
+size_t count_from(const float* l, int V, float floor) {
+  size_t n = 0;
+  for (int i = 0; i < V; ++i) n += l[i] >= floor;
+  return n;
+}
+
 // The first highest logit's index (mx.argmax's choice); a row of -inf: 0.
 int first_max(const float* l, int V) {
   int best = 0;
@@ -61,15 +80,18 @@ std::vector<int> nucleus(const float* l, float top, float span, const std::vecto
     return f < BUCKETS ? int(f) : BUCKETS - 1;  // -inf: the last
   };
   double weight[BUCKETS] = {};
-  for (int i : c) weight[bucket_of(i)] += q[i];
+  std::vector<uint8_t> at(c.size());
+  for (size_t j = 0; j < c.size(); ++j) {
+    at[j] = uint8_t(bucket_of(c[j]));
+    weight[at[j]] += q[c[j]];
+  }
   double above = 0;
   int edge = 0;
   while (edge < BUCKETS - 1 && above + weight[edge] < bound) above += weight[edge++];
   std::vector<int> keep, last;
-  for (int i : c) {
-    const int b = bucket_of(i);
-    if (b < edge) keep.push_back(i);
-    if (b == edge) last.push_back(i);
+  for (size_t j = 0; j < c.size(); ++j) {
+    if (at[j] < edge) keep.push_back(c[j]);
+    if (at[j] == edge) last.push_back(c[j]);
   }
   std::sort(last.begin(), last.end(), [l](int a, int b) { return higher(l, a, b); });
   size_t n = 0;
@@ -82,31 +104,32 @@ std::vector<int> nucleus(const float* l, float top, float span, const std::vecto
 // The tokens a row keeps under top-p, then top-k (mlx-lm's apply_top_p
 // and apply_top_k: on the logits at temperature 1), in a fixed order;
 // empty: every token. `top`: the row's highest logit.
-std::vector<int> kept(const float* l, int V, float top, const Sampling& s, std::vector<float>& q) {
+std::vector<int> kept(const float* l, int V, float top, const Sampling& s, std::vector<float>& weights) {
   const bool by_p = s.top_p > 0 && s.top_p < 1, by_k = s.top_k > 0 && s.top_k < V;
   std::vector<int> c;
   if (!by_p && !by_k) return c;
   double bound = 0;  // top-p's share of the row's weight at temperature 1
+  const float* q = nullptr;  // a plain pointer: `weights` is thread-local, its address a call away
   if (by_p) {
-    q.resize(V);
-    isa_kernels().exps(l, V, top, 1.0f, q.data());
-    bound = s.top_p * sum_of(q.data(), V);
+    weights.resize(V);
+    isa_kernels().exps(l, V, top, 1.0f, weights.data());
+    q = weights.data();
+    bound = s.top_p * sum_of(q, V);
   }
   // Candidates hold what is kept once they weigh the bound (top-p's tokens
   // are the highest that do) or number k (top-k's): either bounds the rest.
   float span = SPAN;
   for (;; span *= 2) {
-    const bool every = span > 1e6f;  // wider than any logits' spread (-inf included)
-    c.clear();
-    double mass = 0;
-    for (int i = 0; i < V; ++i)
-      if (every || l[i] >= top - span) {
-        c.push_back(i);
-        if (by_p) mass += q[i];
-      }
-    if (every || (by_p && mass >= bound) || (by_k && c.size() >= size_t(s.top_k))) break;
+    if (span > 1e6f) {  // wider than any logits' spread: every token, -inf included
+      span = INFINITY;
+      break;
+    }
+    if (by_p && weight_from(l, q, V, top - span) >= bound) break;
+    if (by_k && count_from(l, V, top - span) >= size_t(s.top_k)) break;
   }
-  if (by_p) c = nucleus(l, top, span, c, q.data(), bound);
+  for (int i = 0; i < V; ++i)
+    if (l[i] >= top - span) c.push_back(i);
+  if (by_p) c = nucleus(l, top, span, c, q, bound);
   if (by_k && c.size() > size_t(s.top_k)) {  // the k highest of them, ties by index
     std::partial_sort(c.begin(), c.begin() + s.top_k, c.end(), [l](int a, int b) { return higher(l, a, b); });
     c.resize(s.top_k);
