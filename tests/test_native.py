@@ -600,3 +600,13 @@ def test_a_worker_without_the_kernel_serves_the_same_tokens(stack_factory, share
     for prompt, kernel, fallback in zip(prompts, *replies, strict=True):
         context = hf_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         near_tie(context, kernel, fallback, exact=False)
+    # mlx-lm's sampler there: a top-k past the vocabulary keeps every token
+    # (mlx-lm's apply_top_k raises; the worker asks it for none).
+    with Client(off.frontend, timeout=300) as client:
+        sampled = []
+        for top_k in (10**6, 0):
+            with client.open_session() as session:
+                session.append(messages=[{"role": "user", "content": prompts[0]}])
+                stream = session.generate(max_tokens=12, temperature=1.0, top_k=top_k, seed=5)
+                sampled.append([t for c in stream for t in c.token_ids])
+        assert len(sampled[0]) > 0 and sampled[0] == sampled[1]

@@ -263,6 +263,8 @@ class Engine:
             problems.append("top_p must be in (0, 1]")
         if params.top_k < 0:
             problems.append("top_k must be >= 0")
+        elif params.top_k >= self.model.args.vocab_size:
+            params.top_k = 0  # the whole vocabulary: no top-k (mlx-lm's apply_top_k would raise)
         if any(not s for s in params.stop):
             problems.append("stop strings must be non-empty")
         if problems:
