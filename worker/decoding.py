@@ -68,7 +68,8 @@ class Choice:
             return argmax(logits, self.native)  # on the logits as they are: the verify pass's choice too
         if self.native is not None:
             uniforms = np.random.default_rng([self.params.seed & 0xFFFFFFFF, step, SAMPLE_STREAM])
-            return self.native.sample(logits, *self.sampling, uniforms.random(logits.shape[0]).tolist())
+            rows = logits.size // logits.shape[-1]
+            return self.native.sample(logits, *self.sampling, uniforms.random(rows).tolist())
         mx.random.seed((self.params.seed * 1_000_003 + step) & 0xFFFFFFFF)
         return self._sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
