@@ -16,8 +16,9 @@ has it), as ratios of two sides measured in interleaved repeats (A B A B
 - padding: decode at a full window and 8 shared sessions, padded as the
   batch-invariant mode pads against as the default mode runs here
   (worker/padding.py; 1.0 where the default pads too);
-- sampling: 1 and 8 sessions decoding sampled tokens (temperature 0.7,
-  top-p 0.9, each step's token chosen as the worker chooses it) with
+- sampling: 1 and 8 sessions decoding sampled tokens (bench/cpu.py's
+  SAMPLED: temperature 0.7, top-p 0.9; each step's token chosen as the
+  worker chooses it) with
   kvmux_native's sampler against mlx-lm's, at an empty cache (where
   kvmux_native runs the model).
 
@@ -38,12 +39,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .cpu import SAMPLED
 from .report import ReportWriter, ratio_summary
 
 MESSAGE_TOKENS = 24
 VERIFY_ROWS = (9, 17)  # a token and 8 drafts (the lookup's usual k), and the most a pass verifies
 SAMPLED_SESSIONS = (1, 8)
-SAMPLED = (0.7, 0.9, 0)  # temperature, top-p, top-k: a chat client's usual settings
 
 
 @dataclass
@@ -173,7 +174,12 @@ class Bench:
         mx = self.mx
         n = self.cfg.decode_tokens
         choices = [
-            Choice(GenerationParams(n, *SAMPLED, seed=i, stop=[], speculative=SpeculativeMode.OFF), native)
+            Choice(
+                GenerationParams(
+                    n, SAMPLED["temperature"], SAMPLED["top_p"], 0, seed=i, stop=[], speculative=SpeculativeMode.OFF
+                ),
+                native,
+            )
             for i in range(len(slabs))
         ]
         tokens = [mx.array([100 + i]) for i in range(len(slabs))]
