@@ -18,6 +18,9 @@ side in one run:
 - vs_llama_cpp_sampled: the same, both sampling at a chat client's usual
   settings (SAMPLED: temperature 0.7, top-p 0.9; llama.cpp without its
   default top-k and min-p);
+- int8: the same greedy decode on a daemon with `--cpu-products int8`
+  (llama.cpp's arithmetic: x quantized to int8), against the exact
+  products' daemon and against llama.cpp, interleaved;
 - vs_float32: the same decode, and a 1,000-token message's prefill, on a
   daemon with `--cpu-kernel off` (float32 copies of the weights: what a
   worker did before, and does where the kernel is not built),
@@ -205,12 +208,15 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         Client(off_daemon.frontend, timeout=600) as off,
         _variant_client(model_path, {"KVMUX_NO_JEMALLOC": "1"}, jemalloc_path() is not None) as glibc_malloc,
         _variant_client(model_path, {"KVMUX_NO_HUGE_PAGES": "1"}, thp_mode() == "madvise") as small_pages,
+        _variant_client(model_path, {"KVMUX_CPU_PRODUCTS": "int8"}, loaded.kernel.isa is not None) as int8,
     ):
         workers = {"kernel": kernel.stats().workers[0], "float32": off.stats().workers[0]}
+        if int8 is not None:
+            workers["int8"] = int8.stats().workers[0]
         variants = {"glibc_malloc": glibc_malloc, "small_pages": small_pages}
         workers |= {name: c.stats().workers[0] for name, c in variants.items() if c is not None}
         doc["compute"] = {name: w.compute.kernel for name, w in workers.items()}
-        vs_llama, vs_llama_sampled, vs_off, prefill = [], [], [], []
+        vs_llama, vs_llama_sampled, vs_off, prefill, vs_exact_int8, vs_llama_int8 = [], [], [], [], [], []
         vs_variant: dict[str, list] = {name: [] for name, c in variants.items() if c is not None}
         last: dict = {}
         for _ in range(repeats):
@@ -226,8 +232,15 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
             for name, pairs in vs_variant.items():
                 last[name] = decode(variants[name], {})
                 pairs.append((last[name]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
+            if int8 is not None:
+                last["int8"] = decode(int8, {})
+                vs_exact_int8.append((last["kvmux"]["decode_tokens_per_s"], last["int8"]["decode_tokens_per_s"]))
             if llama:
                 vs_llama.append((last["llama_cpp"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
+                if int8 is not None:
+                    vs_llama_int8.append(
+                        (last["llama_cpp"]["decode_tokens_per_s"], last["int8"]["decode_tokens_per_s"])
+                    )
             vs_off.append((last["float32"]["decode_tokens_per_s"], last["kvmux"]["decode_tokens_per_s"]))
             prefill.append((_prefill(off, message), _prefill(kernel, message)))
             progress.update()
@@ -239,6 +252,10 @@ def run(loaded, model_path: str, story_ids: list[int], passage: str, repeats: in
         for name in variants:
             doc[f"vs_{name}_decode"] = ratio_summary(vs_variant[name]) if name in vs_variant else None
         doc["vs_float32_prefill_1000"] = ratio_summary(prefill)
+        doc["int8_vs_exact_decode"] = ratio_summary(vs_exact_int8) if int8 is not None else None
+        doc["int8_vs_llama_cpp_decode"] = ratio_summary(vs_llama_int8) if vs_llama_int8 else None
+        if int8 is not None:
+            doc["same_tokens_int8_as_exact"] = last["int8"]["token_ids"] == last["kvmux"]["token_ids"]
         doc["same_tokens_as_float32"] = last["kvmux"]["token_ids"] == last["float32"]["token_ids"]
         if llama:
             doc["same_tokens_as_llama_cpp"] = last["kvmux"]["token_ids"] == last["llama_cpp"]["token_ids"]
@@ -276,6 +293,10 @@ def ratios(doc: dict) -> dict:
         out["cpu_decode_vs_llama_cpp"] = doc["vs_llama_cpp_decode"]["median"]
     if doc.get("vs_llama_cpp_sampled_decode"):
         out["cpu_sampled_decode_vs_llama_cpp"] = doc["vs_llama_cpp_sampled_decode"]["median"]
+    if doc.get("int8_vs_exact_decode"):
+        out["cpu_int8_decode_vs_exact"] = doc["int8_vs_exact_decode"]["median"]
+    if doc.get("int8_vs_llama_cpp_decode"):
+        out["cpu_int8_decode_vs_llama_cpp"] = doc["int8_vs_llama_cpp_decode"]["median"]
     for name in ("glibc_malloc", "small_pages"):
         if doc.get(f"vs_{name}_decode"):
             out[f"cpu_decode_vs_{name}"] = doc[f"vs_{name}_decode"]["median"]

@@ -20,7 +20,10 @@ has it), as ratios of two sides measured in interleaved repeats (A B A B
   SAMPLED: temperature 0.7, top-p 0.9; each step's token chosen as the
   worker chooses it) with
   kvmux_native's sampler against mlx-lm's, at an empty cache (where
-  kvmux_native runs the model).
+  kvmux_native runs the model);
+- int8 products: 1 and 8 sessions decoding together, and a verify pass of
+  9 rows, on the model loaded with `--cpu-products int8` against the
+  exact products (where kvmux_native runs the model).
 
 The passes are padded as a worker's are in the mode asked for, decided
 the same way (the report's `padding`). `kvmux bench engine` measures each
@@ -45,6 +48,7 @@ from .report import ReportWriter, ratio_summary
 MESSAGE_TOKENS = 24
 VERIFY_ROWS = (9, 17)  # a token and 8 drafts (the lookup's usual k), and the most a pass verifies
 SAMPLED_SESSIONS = (1, 8)
+INT8_SESSIONS = (1, 8)
 
 
 @dataclass
@@ -74,6 +78,8 @@ class Bench:
 
         loaded = load(cfg.model)
         self.model = loaded.model
+        # The same model on the int8 products, where the kernel runs.
+        self.int8 = load(cfg.model, products="int8").model if loaded.kernel.isa else None
         self.layers = len(self.model.layers)
         most_rows = max(cfg.sessions) * 17 + 128  # as a worker with that many slabs
         self.padding = padding.decide(
@@ -120,14 +126,14 @@ class Bench:
         mx.eval([c.state for c in out])
         return out
 
-    def run(self, cache: list, tokens: list[int], stock: bool = False, floors=None):
+    def run(self, cache: list, tokens: list[int], stock: bool = False, floors=None, model=None):
         from kvmux.worker.forward import Segment, forward
 
         mx = self.mx
         if stock:
             logits = self.model(mx.array(tokens)[None], cache=cache)[:, -1, :]
         else:
-            logits = forward(self.model, [Segment(mx.array(tokens), cache)], floors or self.floors)[0]
+            logits = forward(model or self.model, [Segment(mx.array(tokens), cache)], floors or self.floors)[0]
         mx.eval(logits, [c.state for c in cache])
         return logits
 
@@ -150,8 +156,9 @@ class Bench:
         self.run(cache, [200 + i for i in range(MESSAGE_TOKENS)], stock)
         return time.perf_counter() - started
 
-    def shared_tps(self, slabs: list[list], floors=None) -> float:
-        """Tokens/s of len(slabs) sessions decoding in shared passes."""
+    def shared_tps(self, slabs: list[list], floors=None, model=None) -> float:
+        """Tokens/s of len(slabs) sessions decoding in shared passes (on
+        `model`: the bench's own where None)."""
         from kvmux.worker.forward import Segment, forward
 
         mx = self.mx
@@ -159,7 +166,7 @@ class Bench:
         started = time.perf_counter()
         for i in range(n):
             segments = [Segment(mx.array([100 + i]), slab) for slab in slabs]
-            logits = forward(self.model, segments, floors or self.floors)
+            logits = forward(model or self.model, segments, floors or self.floors)
             mx.eval(logits, [[c.state for c in slab] for slab in slabs])
         return n * len(slabs) / (time.perf_counter() - started)
 
@@ -192,7 +199,7 @@ class Bench:
             mx.eval(tokens, [[c.state for c in slab] for slab in slabs])
         return n * len(slabs) / (time.perf_counter() - started)
 
-    def pass_s(self, cache: list, rows: int) -> float:
+    def pass_s(self, cache: list, rows: int, model=None) -> float:
         """Seconds of a pass of `rows` decode rows: a token and its drafts,
         the drafts taken back after (all rejected), as a worker does."""
         from kvmux.worker.forward import Segment, forward
@@ -203,7 +210,7 @@ class Bench:
         started = time.perf_counter()
         for i in range(n):
             logits = forward(
-                self.model, [Segment(mx.array([100 + i + j for j in range(rows)]), cache, True)], self.floors
+                model or self.model, [Segment(mx.array([100 + i + j for j in range(rows)]), cache, True)], self.floors
             )
             mx.eval(logits, [c.state for c in cache])
             rewind(cache, rows - 1)
@@ -227,7 +234,8 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
     writer.doc["results"] = results
     native = cpu_kernel.native_of(bench.model)
     sampled = len(SAMPLED_SESSIONS) if native else 0
-    cases = len(cfg.windows) * (6 + len(VERIFY_ROWS) + 2 * len(cfg.sessions) + sampled)
+    int8 = len(INT8_SESSIONS) + 1 if bench.int8 is not None else 0
+    cases = len(cfg.windows) * (6 + len(VERIFY_ROWS) + 2 * len(cfg.sessions) + sampled + int8)
     padded = bench.padding.calibrated
     with tqdm(total=cases * cfg.repeats, desc="engine", unit="pair", disable=not progress) as bar:
         for window in cfg.windows:
@@ -260,6 +268,10 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
                 r[f"verify_{rows}_rows_vs_step_full"] = bench.interleaved(
                     lambda f=full: bench.pass_s(f, 1), lambda f=full, n=rows: bench.pass_s(f, n), bar
                 )
+            if bench.int8 is not None:  # seconds a pass: exact over int8, a speed-up as the others
+                r["int8_verify_9_rows_vs_exact_full"] = bench.interleaved(
+                    lambda f=full: bench.pass_s(f, 9, bench.int8), lambda f=full: bench.pass_s(f, 9), bar
+                )
             eight = [full] + [bench.copy(full) for _ in range(7)]
             r["shared_8_full_batch_invariant_vs_default"] = bench.interleaved(
                 lambda k=eight: bench.shared_tps(k), lambda k=eight: bench.shared_tps(k, floors=padded), bar
@@ -279,6 +291,12 @@ def run(cfg: EngineConfig, output: Path, progress: bool = True) -> dict:
                     lambda k=kept: bench.shared_tps(k[:1]), lambda k=kept: bench.shared_tps(k), bar
                 )
                 del kept
+            for count in INT8_SESSIONS if bench.int8 is not None else ():
+                r[f"int8_{count}_vs_exact_empty"] = bench.interleaved(
+                    lambda f=fresh, c=count: bench.shared_tps(f(c)),
+                    lambda f=fresh, c=count: bench.shared_tps(f(c), model=bench.int8),
+                    bar,
+                )
             for count in SAMPLED_SESSIONS if native else ():
                 r[f"sampled_{count}_kernel_vs_mlx_lm_empty"] = bench.interleaved(
                     lambda f=fresh, c=count: bench.sampled_tps(f(c), None),

@@ -82,6 +82,14 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             envvar="KVMUX_CPU_KERNEL",
         ),
     ] = "auto"
+    cpu_products: Annotated[
+        Literal["exact", "int8"],
+        doc(
+            "The CPU kernel's products: exact (float32) or int8 (llama.cpp's arithmetic: faster, ~0.5 % off"
+            ' each product; docs/operations.md, "Speed and exactness").',
+            envvar="KVMUX_CPU_PRODUCTS",
+        ),
+    ] = "exact"
     pipeline: Annotated[
         AtLeastOne,
         doc(

@@ -4,8 +4,9 @@ for every width and group size, a row's bits whatever else the product
 holds and whichever instruction set runs it, the fused norm and rope
 against mx.fast's, a layer's fused halves against the separate ops, the
 sampler against mlx-lm's chain and its draws against its distribution,
-bad arguments refused by name, and the whole model's logits against
-float32 copies of the same weights."""
+the int8 products against their arithmetic in float64 and against the
+exact products, bad arguments refused by name, and the whole model's
+logits against float32 copies of the same weights."""
 
 from __future__ import annotations
 
@@ -396,6 +397,128 @@ def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
         native.qmatmul(attended, codes, s, b, group, bits, residual=h[:, :3])
 
 
+def int8_reference(x, codes, s, b, group, bits):
+    """The int8 products' arithmetic (src/kernels.h) in float64: x rounded
+    to int8 per 32 weights, the codes less their middle, the biases plus it
+    times x's exact sums per group."""
+    x = np.array(x, dtype=np.float32)
+    q = np.array(mx.dequantize(codes, mx.ones_like(s), mx.zeros_like(b), group_size=group, bits=bits), np.float64)
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    x8 = np.rint((blocks * inverse[..., None]).astype(np.float32))  # ties to even
+    rounded = (x8 * d[..., None]).reshape(rows, k).astype(np.float64)
+    middle = 2 ** (bits - 1)
+    scales, biases = (np.array(a.astype(mx.float32), np.float64) for a in (s, b))
+    w = ((q.reshape(q.shape[0], -1, group) - middle) * scales[..., None]).reshape(q.shape[0], -1)
+    sums = x.reshape(rows, -1, group).astype(np.float64).sum(-1)
+    return rounded @ w.T + sums @ (biases + middle * scales).T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int8_products_are_their_arithmetic_for_every_group_and_row_count(bits, group):
+    """Against their arithmetic in float64: to float32's rounding of the
+    sums. Against the exact products: ~0.5 % off (x's rounding to int8)."""
+    codes, s, b = quantized(90, 640, bits, group, seed=bits * group)  # 90 rows: a last packed block of 10
+    packed = native.pack(codes, s, b, group, bits)
+    for rows in ROWS:
+        x = mx.random.normal((rows, 640), key=mx.random.key(rows))
+        got = native.qmatmul(x, codes, s, b, group, bits, packed=packed)
+        assert got.shape == (rows, 90) and got.dtype == mx.float32
+        want = int8_reference(x, codes, s, b, group, bits)
+        err = np.abs(np.array(got) - want).max() / np.abs(want).max()
+        assert err < TOLERANCE, f"{rows} rows: relative error {err:.2e}"
+        exact = native.qmatmul(x, codes, s, b, group, bits)
+        off = (mx.sqrt(((got - exact) ** 2).sum()) / mx.sqrt((exact**2).sum())).item()
+        assert 1e-3 < off < 1e-2, f"{rows} rows: {off:.4f} off the exact products"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_int8_row_is_bit_identical_alone_anywhere_and_on_every_instruction_set(bits):
+    codes, s, b = quantized(202, 576, bits, 32, seed=bits)
+    packed = native.pack(codes, s, b, 32, bits)
+    x = mx.random.normal((300, 576), key=mx.random.key(7))
+    whole = {}
+    try:
+        for isa in native.isas():
+            native.set_isa(isa)
+            whole[isa] = native.qmatmul(x, codes, s, b, 32, bits, packed=packed)
+            for at in (0, 5, 63, 64, 150, 299):  # passes of up to 8 rows (AVX-512), 4 (AVX2), 1; items of 64
+                for rows in (1, 3, 8, 9, 17, 65):
+                    part = native.qmatmul(x[at : at + rows], codes, s, b, 32, bits, packed=packed)
+                    assert mx.array_equal(part, whole[isa][at : at + rows]).item(), f"{isa}: rows {at}+{rows}"
+    finally:
+        native.set_isa(native.isas()[0])
+    first = next(iter(whole.values()))
+    for isa, out in whole.items():  # integer sums, then the same float operations in the same order
+        assert mx.array_equal(out, first).item(), isa
+
+
+def test_int8_products_refuse_what_they_cannot_take_and_keep_a_nan_to_its_row():
+    codes, s, b = quantized(16, 64, 4, 32, seed=0)
+    packed = native.pack(codes, s, b, 32, 4)
+    six = quantized(16, 64, 6, 32, seed=0)
+    with pytest.raises(ValueError, match="4- and 8-bit"):
+        native.pack(*six, 32, 6)
+    other = native.pack(*quantized(32, 64, 4, 32, seed=1), 32, 4)
+    x = mx.random.normal((3, 64), key=mx.random.key(2))
+    for wrong in (other, packed[:1], [packed[0], packed[1].astype(mx.float32)]):
+        with pytest.raises(ValueError, match="packed"):
+            native.qmatmul(x, codes, s, b, 32, 4, packed=wrong)
+    out = np.array(native.qmatmul(x.at[1, 5].add(np.nan), codes, s, b, 32, 4, packed=packed))
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+
+
+def test_a_layers_fused_halves_take_the_int8_products():
+    """With each projection's pack: attention_in's values and qmatmul's
+    residual are the int8 qmatmul's, bit for bit, the MLP within swiglu's
+    exp of the separate ops; a row alone is the same."""
+    hidden, heads, kv, inner, tokens = 128, 4, 2, 320, 17
+    d = hidden // heads
+    layer, (norm1, norm2) = _layer(hidden, heads, kv, inner)
+    packs = {name: native.pack(*layer[name]) for name in layer if layer[name][4] in (4, 8)}
+    packs["down"] = [mx.array([], mx.uint8)] * 2  # 6 bits: its exact products
+    h = mx.random.normal((1, tokens, hidden), key=mx.random.key(60))
+    positions = mx.array(list(range(tokens)))
+
+    def q_(name, x):
+        codes, s, b, group, bits = layer[name]
+        return native.qmatmul(x, codes, s, b, group, bits, packed=packs[name] if name != "down" else [])
+
+    def packed(*names):
+        return [a for n in names for a in packs[n]]
+
+    _, _, values = native.attention_in(
+        h,
+        norm1,
+        1e-5,
+        *_arrays(layer, "q", "k", "v"),
+        heads,
+        kv,
+        d**-0.5,
+        positions,
+        d,
+        False,
+        1e4,
+        1.0,
+        packed=packed("q", "k", "v"),
+    )
+    x = native.rms_norm(h, norm1, 1e-5)
+    assert mx.array_equal(values, q_("v", x).reshape(tokens, kv, 1, d).transpose(2, 1, 0, 3)).item()
+    out = native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), packed=packed("gate", "up", "down"))
+    x = native.rms_norm(h, norm2, 1e-5)
+    want = h + q_("down", mx.sigmoid(q_("gate", x)) * q_("gate", x) * q_("up", x))
+    assert mx.abs(out - want).max().item() < 1e-5 * mx.abs(want).max().item()
+    alone = native.mlp(
+        h[:, 4:5], norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), packed=packed("gate", "up", "down")
+    )
+    assert mx.array_equal(alone[0, 0], out[0, 4]).item()
+    with pytest.raises(ValueError, match="packed"):
+        native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), packed=packed("gate", "up"))
+
+
 VOCAB = 49152  # SmolLM2's
 # (temperature, top_p, top_k): a temperature alone, top-p, top-k, both.
 SAMPLINGS = [(1.0, 1.0, 0), (0.7, 0.9, 0), (0.7, 1.0, 40), (1.5, 0.95, 50), (0.3, 0.5, 3)]
@@ -490,6 +613,41 @@ def models():
     from kvmux.worker.model import load
 
     return load(kernel="auto"), load(kernel="off")
+
+
+def test_a_model_on_the_int8_products_packs_its_weights_and_keeps_its_tokens(models):
+    """`--cpu-products int8`: every 4- and 8-bit matrix packed (the same
+    bytes again), logits within ~1 % of the exact products', greedy tokens
+    the exact products' but at near ties; refused without the kernel."""
+    from kvmux.worker import cpu_kernel
+    from kvmux.worker.forward import Floors, Segment, forward
+    from kvmux.worker.model import load
+
+    int8 = load(kernel="auto", products="int8")
+    assert int8.kernel.describe().endswith(", int8 products")
+    layers = dict(int8.model.named_modules())
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.29.mlp.down_proj", "model.embed_tokens"):
+        assert len(cpu_kernel.packed(layers[name])) == 2, name
+    prompt = mx.array(np.random.default_rng(0).integers(100, 20000, 200))
+    pair = (models[0], int8)
+    slabs = [loaded.make_slab(4, 2048, 0) for loaded in pair]
+    steps = [
+        [forward(loaded.model, [Segment(prompt, slab)], Floors())[0]] for loaded, slab in zip(pair, slabs, strict=True)
+    ]
+    for _ in range(16):
+        token = mx.argmax(steps[0][-1][-1]).reshape(1)  # the exact products' greedy token, fed to both
+        for loaded, slab, own in zip(pair, slabs, steps, strict=True):
+            own.append(forward(loaded.model, [Segment(token, slab, True)], Floors())[0])
+    exact, got = (mx.concatenate(own) for own in steps)
+    tokens = mx.argmax(exact, axis=-1)
+    off = (mx.sqrt(((got - exact) ** 2).sum(-1)) / mx.sqrt((exact**2).sum(-1))).max().item()
+    assert off < 0.05, f"logits {off:.3f} off the exact products'"
+    top = np.sort(np.array(exact), axis=-1)[:, -2:]
+    near = (top[:, 1] - top[:, 0]) < 0.5  # a choice within half a logit of the runner-up
+    agree = np.array(mx.argmax(got, axis=-1) == tokens)
+    assert (agree | near).all()
+    with pytest.raises(ValueError, match="cpu_products int8 needs kvmux_native"):
+        load(kernel="off", products="int8")
 
 
 def test_the_model_reads_its_weights_as_stored(models):
@@ -610,3 +768,28 @@ def test_a_worker_without_the_kernel_serves_the_same_tokens(stack_factory, share
                 stream = session.generate(max_tokens=12, temperature=1.0, top_k=top_k, seed=5)
                 sampled.append([t for c in stream for t in c.token_ids])
         assert len(sampled[0]) > 0 and sampled[0] == sampled[1]
+
+
+@pytest.mark.stack
+def test_a_worker_on_the_int8_products_says_so_and_keeps_a_sessions_tokens_in_shared_passes(stack_factory):
+    """`--cpu-products int8`: Compute names them; sessions decoding together
+    (one pass) get the tokens each gets alone: x's quantization is per row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvmux.client import Client
+
+    stack = stack_factory(workers=1, slabs=4, worker_args=["--cpu-products", "int8"])
+    compute = stack.stats().workers[0].compute
+    assert compute.kernel == f"kvmux_native {native.isas()[0]}, {native.threads()} threads, int8 products"
+    prompts = ["Why is the sky blue?", "Name three fruits.", "What is 12 times 12?", "Describe a cat in one line."]
+    with Client(stack.frontend, timeout=300) as client:
+
+        def reply(i):
+            with client.open_session() as session:
+                return [t for c in session.chat(prompts[i], max_tokens=12, temperature=0.0) for t in c.token_ids]
+
+        alone = [reply(i) for i in range(len(prompts))]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(reply, range(len(prompts))))
+    assert all(len(tokens) == 12 for tokens in alone)
+    assert together == alone

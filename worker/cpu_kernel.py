@@ -23,6 +23,14 @@ otherwise).
 another mlx, a GPU, `off`); the worker then falls back to MLX's own
 quantized layers on a GPU and float32 copies on a CPU, and `describe`
 says so in Compute.
+
+`--cpu-products int8` (`adopt(model, int8=True)`) opts into llama.cpp's
+arithmetic: each 4- or 8-bit weight matrix is packed once at load
+(`kvmux_native.pack`: its rows interleaved by 16, its scales beside
+them) and x is quantized to int8 per 32 weights in every product
+(worker/native/src/kernels.h, "int8 products"). Still row-invariant and
+the same on every instruction set, but ~0.5 % off each product: tokens
+differ from the exact products' wherever a choice was that close.
 """
 
 from __future__ import annotations
@@ -49,20 +57,24 @@ else:
 log = logs.get("worker.cpu_kernel")
 
 CHOICES = ("auto", "avx512", "avx2", "scalar", "off")
+PRODUCTS = ("exact", "int8")
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """The kernel a worker runs (`isa` None: none, for `reason`)."""
+    """The kernel a worker runs (`isa` None: none, for `reason`) and its
+    products' arithmetic (PRODUCTS)."""
 
     isa: str | None
     threads: int = 0
     reason: str = ""
+    products: str = "exact"
 
     def describe(self) -> str:
         if self.isa is None:
             return f"none ({self.reason})"
-        return f"kvmux_native {self.isa}, {self.threads} threads"
+        products = ", int8 products" if self.products == "int8" else ""
+        return f"kvmux_native {self.isa}, {self.threads} threads{products}"
 
 
 @cache
@@ -100,7 +112,9 @@ class QuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose product is kvmux_native's."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = kvmux_native.qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        y = kvmux_native.qmatmul(
+            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, packed=packed(self)
+        )
         return y + self["bias"] if "bias" in self else y
 
 
@@ -119,7 +133,9 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return kvmux_native.qmatmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        return kvmux_native.qmatmul(
+            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, packed=packed(self)
+        )
 
 
 class RMSNorm(nn.RMSNorm):
@@ -147,16 +163,21 @@ _ADOPTED = {
 }
 
 
-def adopt(model: nn.Module) -> None:
+def adopt(model: nn.Module, int8: bool = False) -> None:
     """Make the model's affine quantized layers, RMS norms and (plain)
     rotary embeddings compute with kvmux_native (their parameters stay as
     they are: only the ops change); its other floats float32, what MLX's
-    CPU computes fastest."""
+    CPU computes fastest. `int8`: its 4- and 8-bit products take the int8
+    products (each matrix packed once here, beside its parameters)."""
     model.__dict__[_ADOPTED_MARK] = True  # what forward.py asks (native_of): its attention goes native too
     for _, module in model.named_modules():
         kind = _ADOPTED.get(type(module))
         if kind is not None and getattr(module, "mode", "affine") == "affine":
             module.__class__ = kind
+            if int8 and kind in (QuantizedLinear, QuantizedEmbedding) and module.bits in (4, 8):
+                module.__dict__[_PACKED_MARK] = kvmux_native.pack(
+                    module["weight"], module["scales"], module["biases"], module.group_size, module.bits
+                )
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             floats = {k: v.astype(mx.float32) for k, v in module.items() if _is_float(v)}
             if floats:
@@ -173,6 +194,13 @@ def adopt(model: nn.Module) -> None:
 # A fused layer's projections as kvmux_native's layer ops take them, made
 # once (a decode step would otherwise rebuild them for every layer).
 _FUSED_MARK = "kvmux_native_layer"
+# A quantized module's kvmux_native.pack, where it takes the int8 products.
+_PACKED_MARK = "kvmux_native_packed"
+
+
+def packed(module: nn.Module) -> list[mx.array]:
+    """The module's kvmux_native.pack where it takes the int8 products, else []."""
+    return module.__dict__.get(_PACKED_MARK, [])
 
 
 def _fusable(layer: nn.Module) -> bool:
@@ -196,9 +224,15 @@ def fused(layer: nn.Module) -> bool:
     return _FUSED_MARK in layer.__dict__
 
 
-def _projections(*linears: QuantizedLinear) -> tuple[list[mx.array], list[int], list[int]]:
+def _projections(*linears: QuantizedLinear) -> tuple[list[mx.array], list[int], list[int], list[mx.array]]:
+    """Their arrays, groups and bits, and where any has a pack, each one's
+    (two empty arrays for one without: its exact products)."""
     arrays = [a for p in linears for a in (p["weight"], p["scales"], p["biases"])]
-    return arrays, [p.group_size for p in linears], [p.bits for p in linears]
+    packs = [a for p in linears for a in packed(p) or _UNPACKED] if any(packed(p) for p in linears) else []
+    return arrays, [p.group_size for p in linears], [p.bits for p in linears], packs
+
+
+_UNPACKED = [mx.array([], mx.uint8), mx.array([], mx.uint8)]
 
 
 def attention_in(layer: nn.Module, h: mx.array, positions: mx.array) -> list[mx.array]:
@@ -207,11 +241,14 @@ def attention_in(layer: nn.Module, h: mx.array, positions: mx.array) -> list[mx.
     holds them (1, kv heads, tokens, D), from the residual stream h (1,
     tokens, hidden)."""
     attn, norm, rope = layer.self_attn, layer.input_layernorm, layer.self_attn.rope
+    arrays, groups, bits, packs = layer.__dict__[_FUSED_MARK][0]
     return kvmux_native.attention_in(
         h,
         norm["weight"],
         norm.eps,
-        *layer.__dict__[_FUSED_MARK][0],
+        arrays,
+        groups,
+        bits,
         attn.n_heads,
         attn.n_kv_heads,
         attn.scale,
@@ -220,19 +257,23 @@ def attention_in(layer: nn.Module, h: mx.array, positions: mx.array) -> list[mx.
         rope.traditional,
         rope.base,
         rope.scale,
+        packed=packs,
     )
 
 
 def attention_out(layer: nn.Module, h: mx.array, attended: mx.array) -> mx.array:
     """h + the attention's output projection, one op."""
     o = layer.self_attn.o_proj
-    return kvmux_native.qmatmul(attended, o["weight"], o["scales"], o["biases"], o.group_size, o.bits, residual=h)
+    return kvmux_native.qmatmul(
+        attended, o["weight"], o["scales"], o["biases"], o.group_size, o.bits, residual=h, packed=packed(o)
+    )
 
 
 def mlp(layer: nn.Module, h: mx.array) -> mx.array:
     """h + the layer's MLP of its normed h, one op."""
     norm = layer.post_attention_layernorm
-    return kvmux_native.mlp(h, norm["weight"], norm.eps, *layer.__dict__[_FUSED_MARK][1])
+    arrays, groups, bits, packs = layer.__dict__[_FUSED_MARK][1]
+    return kvmux_native.mlp(h, norm["weight"], norm.eps, arrays, groups, bits, packed=packs)
 
 
 def _is_float(value: object) -> bool:

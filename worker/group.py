@@ -319,7 +319,13 @@ def follower(config, group: mx.distributed.Group) -> int:
     mx.set_default_stream(mx.new_stream(mx.default_device()))  # as rank 0's compute thread does
     part = Part(group.rank(), group.size())
     try:
-        loaded = load(config.model, chat_template=config.chat_template, part=part, kernel=config.cpu_kernel)
+        loaded = load(
+            config.model,
+            chat_template=config.chat_template,
+            part=part,
+            kernel=config.cpu_kernel,
+            products=config.cpu_products,
+        )
         check_supported(loaded.model)
     except (OSError, ValueError) as exc:
         log.error("model_refused", error=str(exc))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -186,6 +186,7 @@ def load(
     chat_template: str | Path | None = None,
     part: Part | None = None,
     kernel: str | None = None,
+    products: str | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a local mlx-lm directory (default: the embedded
     SmolLM2-135M-Instruct GGUF). Quantized weights are kept as they are on
@@ -193,7 +194,9 @@ def load(
     cpu_kernel.CHOICES, `--cpu-kernel`; None: $KVMUX_CPU_KERNEL, else
     auto); otherwise dequantized, unless
     `keep_quantized` says otherwise (a draft model kept small without the
-    kernel: `--draft-quantized`). `chat_template`: a Jinja file used
+    kernel: `--draft-quantized`). `products`: the kernel's arithmetic
+    (cpu_kernel.PRODUCTS, `--cpu-products`; None: $KVMUX_CPU_PRODUCTS,
+    else exact); int8 needs the kernel. `chat_template`: a Jinja file used
     instead of the model's own (a base model's file often has none;
     `--chat-template`). `part`: a worker group rank's share, the rest never
     read (worker/group.py)."""
@@ -203,9 +206,17 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     chosen = cpu_kernel.select(kernel or os.environ.get("KVMUX_CPU_KERNEL") or "auto")
+    products = products or os.environ.get("KVMUX_CPU_PRODUCTS") or "exact"
+    if products not in cpu_kernel.PRODUCTS:
+        raise ValueError(f"cpu_products must be one of {', '.join(cpu_kernel.PRODUCTS)}, not {products!r}")
     if keep_quantized is None:
         keep_quantized = mx.default_device() == mx.gpu or chosen.isa is not None
     on_kernel = keep_quantized and chosen.isa is not None
+    if products != "exact" and not on_kernel:
+        reason = chosen.reason or "weights dequantized"
+        raise ValueError(
+            f"cpu_products {products} needs kvmux_native's CPU kernel, and this worker has none ({reason})"
+        )
     if path.suffix == ".gguf":
         model, quantized = _load_gguf(path, keep_quantized, part)
         tokenizer = None
@@ -226,12 +237,15 @@ def load(
         tokenizer._tokenizer.chat_template = Path(chat_template).read_text()
         tokenizer.has_chat_template = True
     if on_kernel:
-        cpu_kernel.adopt(model)
+        cpu_kernel.adopt(model, int8=products == "int8")
     elif not keep_quantized:
         model = _to_cpu_float32(model)
     model.eval()
     mx.eval(model.parameters())
-    used = chosen if on_kernel else cpu_kernel.Kernel(None, reason=chosen.reason or "weights dequantized")
+    if on_kernel:
+        used = replace(chosen, products=products)
+    else:
+        used = cpu_kernel.Kernel(None, reason=chosen.reason or "weights dequantized")
     log.info(
         "model_loaded", model=path.name, quantized=quantized, device=str(mx.default_device()), kernel=used.describe()
     )

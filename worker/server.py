@@ -118,7 +118,11 @@ class Worker:
             mx.set_default_stream(mx.new_stream(mx.default_device()))
             part = Part(0, self.group.size()) if self.group else None
             loaded = load(
-                self.config.model, chat_template=self.config.chat_template, part=part, kernel=self.config.cpu_kernel
+                self.config.model,
+                chat_template=self.config.chat_template,
+                part=part,
+                kernel=self.config.cpu_kernel,
+                products=self.config.cpu_products,
             )
             if part is not None:
                 check_supported(loaded.model)
@@ -130,6 +134,7 @@ class Worker:
                     self.config.draft_model,
                     keep_quantized=self.config.draft_quantized or None,
                     kernel=self.config.cpu_kernel,
+                    products=self.config.cpu_products,
                 )
                 check_tokenizers(loaded, draft)
             engine = Engine(

@@ -2,7 +2,9 @@
 
 - `qmatmul(x, w, scales, biases, group_size, bits)`: `x @ W.T` for W in
   MLX's affine quantized layout, reading the weights as stored (4 and 8
-  bits fast, AVX-512 / AVX2 / scalar; src/kernels.h says how it sums);
+  bits fast, AVX-512 / AVX2 / scalar; src/kernels.h says how it sums),
+  in exact float32, or with `packed` (`pack(...)`'s arrays of W) in
+  llama.cpp's int8 arithmetic;
 - `rms_norm` and `rope`: mx.fast's, as one op each (MLX's CPU backend runs
   them as graphs of small ops);
 - `attend`: attention at one layer for every session of a pass (decode
@@ -26,6 +28,7 @@ from ._ext import (
     isa,
     isas,
     mlp,
+    pack,
     qmatmul,
     rms_norm,
     rope,
@@ -47,6 +50,7 @@ __all__ = [
     "isa",
     "isas",
     "mlp",
+    "pack",
     "qmatmul",
     "rms_norm",
     "rope",

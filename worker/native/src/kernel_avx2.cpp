@@ -1,6 +1,7 @@
 // AVX2 + FMA: a 16-lane vector as two 256-bit registers (lanes 0-7, 8-15),
 // so the sums are the AVX-512 kernel's, bit for bit.
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -87,6 +88,59 @@ struct V {
 #include "swiglu.h"
 #include "exps.h"
 
+// int8.h's Q: 8 weight rows a register (the sums of 4 rows of x beside a
+// block's 8 or 16 registers of codes). Codes times int8s by
+// vpmaddubsw (unsigned by signed bytes, pairs summed in 16 bits: a 4-bit
+// block's 8 of them at most 8 x 2 x 15 x 127), then vpmaddwd. An 8-bit
+// code is taken as its two nibbles (16 x high + low): vpmaddubsw would
+// saturate on whole bytes.
+struct Q : V {
+  static constexpr int W = 8, MB = 4;
+  using fvec = __m256;
+  static fvec zero() { return _mm256_setzero_ps(); }
+  static fvec set1(float f) { return _mm256_set1_ps(f); }
+  static fvec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, fvec a) { _mm256_storeu_ps(p, a); }
+  static fvec mul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+  static fvec fma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+  template <int BITS>
+  struct codes {
+    __m256i lo[BITS], hi[BITS];  // each dword's low and high nibbles: 4 dwords a row for 4 bits, 8 for 8
+  };
+  template <int BITS>
+  static codes<BITS> load(const uint8_t* p) {  // packed: register t from p + 64t, 4 bytes of each of 8 rows
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    codes<BITS> c;
+    for (int t = 0; t < BITS; ++t) {
+      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * t));
+      c.lo[t] = _mm256_and_si256(d, nibble);
+      c.hi[t] = _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble);
+    }
+    return c;
+  }
+  static __m256i bytes4(const int8_t* x) { return _mm256_set1_epi32(four_bytes(x)); }
+  template <int BITS>
+  static fvec dot(const codes<BITS>& c, const int8_t* x, int32_t start) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+    for (int t = 0; t < BITS; ++t) {
+      if constexpr (BITS == 4) {  // dword t's low nibbles meet x[4t..], its high ones x[16 + 4t..]
+        low = _mm256_add_epi16(low, _mm256_maddubs_epi16(c.lo[t], bytes4(x + 4 * t)));
+        high = _mm256_add_epi16(high, _mm256_maddubs_epi16(c.hi[t], bytes4(x + 16 + 4 * t)));
+      } else {
+        const __m256i xs = bytes4(x + 4 * t);
+        low = _mm256_add_epi16(low, _mm256_maddubs_epi16(c.lo[t], xs));
+        high = _mm256_add_epi16(high, _mm256_maddubs_epi16(c.hi[t], xs));
+      }
+    }
+    const __m256i weight = _mm256_set1_epi16(BITS == 4 ? 1 : 16);
+    const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, weight));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_set1_epi32(start), sum));
+  }
+};
+
+#include "int8.h"
+
 namespace {
 
 // A chunk's item in vectors of 16 lanes (two registers) where its
@@ -108,6 +162,7 @@ IsaKernels kernels_avx2() {
           &avx2::swiglu, &avx2::exps};
 }
 BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, TILE_AVX2, 4>; }
+Int8Kernels int8_avx2() { return {&avx2::int8<avx2::Q>, &avx2::quantize}; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options
@@ -115,6 +170,7 @@ BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, TILE_AVX2, 4>; 
 #else
 namespace kvmux_native {
 BlockFn block_avx2() { return nullptr; }
+Int8Kernels int8_avx2() { return {}; }
 IsaKernels kernels_avx2() { return {}; }
 }  // namespace kvmux_native
 #endif

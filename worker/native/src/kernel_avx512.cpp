@@ -1,5 +1,6 @@
 // AVX-512F: a 16-lane vector is one 512-bit register.
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -76,6 +77,56 @@ struct V {
 #include "swiglu.h"
 #include "exps.h"
 
+// AVX-512 VNNI: the int8 products (int8.h) with 16 weight rows a
+// register, codes times int8s by vpdpbusd (4 unsigned by 4 signed bytes
+// into each 32-bit lane), two chains of them a block. Under a target of
+// its own, after the float kernels: those run on AVX-512F CPUs without
+// BW and VNNI.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")
+
+struct Q : V {
+  static constexpr int W = 16, MB = 8;
+  using fvec = __m512;
+  using V::load;  // beside load<BITS> below
+  static fvec mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+  template <int BITS>
+  struct codes {
+    __m512i d[8];  // 4 bits: dwords 0-3's low nibbles, then their high ones; 8 bits: dwords 0-7
+  };
+  template <int BITS>
+  static codes<BITS> load(const uint8_t* p) {  // packed: register t from p + 64t, 4 bytes of each of 16 rows
+    codes<BITS> c;
+    if constexpr (BITS == 4) {
+      const __m512i nibble = _mm512_set1_epi8(0x0F);
+      for (int t = 0; t < 4; ++t) {
+        const __m512i d = _mm512_loadu_si512(p + 64 * t);
+        c.d[t] = _mm512_and_si512(d, nibble);
+        c.d[4 + t] = _mm512_and_si512(_mm512_srli_epi16(d, 4), nibble);
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) c.d[t] = _mm512_loadu_si512(p + 64 * t);
+    }
+    return c;
+  }
+  static __m512i bytes4(const int8_t* x) { return _mm512_set1_epi32(four_bytes(x)); }
+  // Register t + 4 meets x[16 + 4t..] either way: 4 bits' high nibbles
+  // are the odd weights, x_order's second 16. Two chains of vpdpbusd.
+  template <int BITS>
+  static fvec dot(const codes<BITS>& c, const int8_t* x, int32_t start) {
+    __m512i a = _mm512_set1_epi32(start), b = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      a = _mm512_dpbusd_epi32(a, c.d[t], bytes4(x + 4 * t));
+      b = _mm512_dpbusd_epi32(b, c.d[4 + t], bytes4(x + 16 + 4 * t));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));
+  }
+};
+
+#include "int8.h"
+
+#pragma GCC pop_options
+
 }  // namespace avx512
 
 IsaKernels kernels_avx512() {
@@ -83,6 +134,7 @@ IsaKernels kernels_avx512() {
           &avx512::swiglu, &avx512::exps};
 }
 BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, TILE_AVX512, 4>; }
+Int8Kernels int8_avx512() { return {&avx512::int8<avx512::Q>, &avx512::quantize}; }
 
 }  // namespace kvmux_native
 #pragma GCC pop_options
@@ -90,6 +142,7 @@ BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, TILE_AV
 #else
 namespace kvmux_native {
 BlockFn block_avx512() { return nullptr; }
+Int8Kernels int8_avx512() { return {}; }
 IsaKernels kernels_avx512() { return {}; }
 }  // namespace kvmux_native
 #endif

@@ -1,6 +1,7 @@
 // The portable kernel: 16 float lanes as an array, std::fma per lane. Any
 // CPU (Linux aarch64 among them) runs it; on x86 it is the fallback.
 
+#include <algorithm>
 #include <cmath>
 
 #include <cstring>
@@ -76,6 +77,42 @@ struct V {
 #include "swiglu.h"
 #include "exps.h"
 
+// int8.h's Q: 16 weight rows as arrays, each one's integer sum a loop.
+struct Q : V {
+  static constexpr int W = 16, MB = 1;
+  using fvec = vec;
+  using V::load;  // beside load<BITS> below
+  static vec mul(const vec& a, const vec& b) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i];
+    return r;
+  }
+  template <int BITS>
+  struct codes {
+    uint8_t b[16][32];  // each row's block, as MLX stores it
+  };
+  template <int BITS>
+  static codes<BITS> load(const uint8_t* p) {  // packed: 64 bytes (4 of each row) per 4 bytes of a row
+    codes<BITS> c;
+    for (int t = 0; t < BITS; ++t)
+      for (int r = 0; r < 16; ++r) std::memcpy(c.b[r] + 4 * t, p + 64 * t + 4 * r, 4);
+    return c;
+  }
+  template <int BITS>
+  static vec dot(const codes<BITS>& c, const int8_t* x, int32_t start) {
+    vec out;
+    for (int r = 0; r < 16; ++r) {
+      int32_t sum = start;
+      for (int j = 0; j < 4 * BITS; ++j)
+        sum += BITS == 4 ? (c.b[r][j] & 0xF) * x[j] + (c.b[r][j] >> 4) * x[16 + j] : c.b[r][j] * x[j];
+      out.v[r] = float(sum);
+    }
+    return out;
+  }
+};
+
+#include "int8.h"
+
 }  // namespace scalar
 
 IsaKernels kernels_scalar() {
@@ -83,5 +120,6 @@ IsaKernels kernels_scalar() {
           &scalar::swiglu, &scalar::exps};
 }
 BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, TILE_SCALAR, DIRECT_SCALAR>; }
+Int8Kernels int8_scalar() { return {&scalar::int8<scalar::Q>, &scalar::quantize}; }
 
 }  // namespace kvmux_native

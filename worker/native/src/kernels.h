@@ -37,6 +37,10 @@ struct Problem {
   ScaleType scale_type;
   float* out;  // M x N
   int M, N, K, bits, group;
+  // W packed for the int8 products (`pack`, below), or null: the exact
+  // products.
+  const uint8_t* packed = nullptr;
+  const void* packed_scales = nullptr;
 };
 
 // float16 bits and float32, through the compiler's _Float16 (F16C or
@@ -163,6 +167,65 @@ constexpr int DIRECT_AVX512 = 32, DIRECT_AVX2 = 4, DIRECT_SCALAR = 1;
 // (down_proj's, at 8192 floats an item) ran as a tile of 3 and one of 1:
 // 8 rows of x 1.23x slower than in items of 3 (one thread, Intel Xeon).
 constexpr int TILE_AVX512 = 4, TILE_AVX2 = 3, TILE_SCALAR = 1;
+
+// The int8 products (opt-in: a product given W packed by `pack`; the
+// default is the exact float32 arithmetic above): llama.cpp's arithmetic
+// for 4- and 8-bit weights. Each row of x is quantized per 32 weights to
+// int8 (scale = max |x| / 127, q = round(x / scale), ties to even) and
+// each weight row's codes less their middle (8 for 4 bits, 128 for 8:
+// weights about 0, half the error of the codes as they are) multiply
+// those int8s in integer arithmetic, exactly. out[m][n] sums, block by
+// block of 32 weights in order, one fused multiply-add each: the block's
+// integer sum times (weight scale * x scale), and at each group's end
+// (bias + middle * scale) times x's float sum over the group. So a row's
+// result is row-invariant and the same on every instruction set, but not
+// the exact path's: x's rounding to int8 costs ~0.5 % of a product's size
+// (tests/test_native.py measures it).
+//
+// The packed layout puts a vector's lanes on weight rows (no horizontal
+// sums): W's rows in blocks of 16 (the last padded with zero rows); per
+// block of rows and per 32 weights, for each 4 bytes of a row's codes
+// (4 with 4 bits, 8 with 8) those bytes of the 16 rows, 64 bytes; per
+// block of rows and per group, the 16 rows' scales, then their biases,
+// in the scales' dtype. The same bytes as MLX's layout, padding aside.
+constexpr int PACKED_ROWS = 16;
+
+struct Quantized {
+  const int8_t* x;  // M x K, in the kernel's order (x_order)
+  const float* dx;  // M x K / 32: each block's x scale
+  const int32_t* start;  // M x K / 32: -middle * the sum of the block's int8s
+  const float* sums;  // M x K / group: x's sum over each group
+};
+
+// 4 int8s as one int32, to broadcast to every lane.
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The int8 products of x's rows m0..m1 (quantized: q) with W's rows n0..n1.
+using Int8Fn = void (*)(const Problem&, const Quantized& q, int n0, int n1, int m0, int m1);
+
+// One row of x (K floats, in the kernel's order) quantized into its
+// Quantized row: K int8s, K / 32 scales and starts, K / group sums.
+using QuantizeFn = void (*)(const float* x, int K, int group, int bits, int8_t* out, float* dx, int32_t* start,
+                            float* sums);
+
+struct Int8Kernels {
+  Int8Fn products;
+  QuantizeFn quantize;
+};
+
+Int8Kernels int8_scalar();
+Int8Kernels int8_avx2();
+Int8Kernels int8_avx512();  // AVX-512 VNNI (vpdpbusd); where the CPU has none, AVX2's
+
+// W (N x K codes of `bits`, MLX's layout) with its scales and biases (N x
+// groups of `scale_bytes` each) in the packed layout: `codes` gets
+// ceil(N / 16) * 16 * K * bits / 8 bytes, `scales` ceil(N / 16) * groups *
+// 32 values.
+void pack_codes(const Problem& p, int scale_bytes, uint8_t* codes, uint8_t* scales);
 
 // Whether the CPU runs the kernel of `isa`.
 bool supported(Isa isa);

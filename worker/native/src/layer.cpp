@@ -26,23 +26,40 @@ int check_layer(const std::string& op, const mx::array& h, const mx::array& norm
     check_quantized(w, ps.arrays[3 * i + 1], ps.arrays[3 * i + 2], ps.groups[i], ps.bits[i], op);
     if (w.shape(1) * 32 / ps.bits[i] != inputs[i]) fail("projection " + std::to_string(i) + " has the wrong inputs");
   }
+  if (!ps.packed.empty()) {
+    if (int(ps.packed.size()) != 2 * count) fail("packed must be each projection's pack(), two arrays each");
+    for (int i = 0; i < count; ++i)
+      if (ps.packed[2 * i].size() > 0)  // empty: this one's exact products
+        check_packed(ps.arrays[3 * i], ps.arrays[3 * i + 1], ps.groups[i], ps.bits[i], ps.packed[2 * i],
+                     ps.packed[2 * i + 1], op);
+  }
   return hidden;
 }
 
+// The projections' problems from inputs[first...]; with `packed`, each
+// one's pack() from the inputs' last 2 * count (empty arrays: its exact
+// products).
 std::vector<Problem> problems_of(const std::vector<mx::array>& inputs, int first, const std::vector<int>& groups,
-                                 const std::vector<int>& bits) {
+                                 const std::vector<int>& bits, bool packed) {
   std::vector<Problem> ps;
-  for (size_t i = 0; i < groups.size(); ++i)
+  const size_t tail = inputs.size() - 2 * groups.size();
+  for (size_t i = 0; i < groups.size(); ++i) {
     ps.push_back(problem(inputs[first + 3 * i], inputs[first + 3 * i + 1], inputs[first + 3 * i + 2], groups[i], bits[i]));
+    if (packed && inputs[tail + 2 * i].size() > 0) attach_packed(ps.back(), inputs[tail + 2 * i], inputs[tail + 2 * i + 1]);
+  }
   return ps;
 }
 
-// x's T rows into each product of ps (reordered per its bits into `ordered`).
+// x's T rows into each product of ps (reordered per its bits into
+// `ordered`, once for products of the same bits: compute then also
+// quantizes them once for the int8 products).
 void feed(std::vector<Problem>& ps, const float* x, int T, std::vector<std::vector<float>>& ordered) {
   ordered.resize(ps.size());
   for (size_t i = 0; i < ps.size(); ++i) {
     ps[i].M = T;
-    ps[i].x = kernel_rows(x, T, ps[i].K, ps[i].bits, ordered[i]);
+    size_t same = 0;
+    while (same < i && ps[same].bits != ps[i].bits) ++same;
+    ps[i].x = same < i ? ps[same].x : kernel_rows(x, T, ps[i].K, ps[i].bits, ordered[i]);
   }
 }
 
@@ -80,16 +97,18 @@ std::vector<mx::array> attention_in(
   inputs.insert(inputs.end(), qkv.arrays.begin(), qkv.arrays.end());
   inputs.push_back(mx::astype(positions, mx::int32, s));
   if (freqs) inputs.push_back(as_float32(*freqs, s));
+  inputs.insert(inputs.end(), qkv.packed.begin(), qkv.packed.end());
   return mx::array::make_arrays(
       {{T, heads, 1, D}, {1, kv_heads, T, D}, {1, kv_heads, T, D}},
       {mx::float32, mx::float32, mx::float32},
-      std::make_shared<AttentionIn>(
-          s, eps, qkv.groups, qkv.bits, heads, kv_heads, q_scale, dims, traditional, base, scale),
+      std::make_shared<AttentionIn>(s, eps, qkv.groups, qkv.bits, !qkv.packed.empty(), heads, kv_heads, q_scale, dims,
+                                    traditional, base, scale),
       inputs);
 }
 
 void AttentionIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto ps = problems_of(inputs, 2, groups_, bits_);
+  auto ps = problems_of(inputs, 2, groups_, bits_, packed_);
+  const bool freqs = inputs.size() > (packed_ ? 18u : 12u);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   for (auto& o : outputs) {
@@ -97,7 +116,7 @@ void AttentionIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     encoder.set_output_array(o);
   }
   const Rotation r{dims_, traditional_, base_, scale_, nullptr};
-  encoder.dispatch([ps, inputs, r, eps = eps_, H = heads_, KV = kv_heads_, q_scale = q_scale_,
+  encoder.dispatch([ps, inputs, r, freqs, eps = eps_, H = heads_, KV = kv_heads_, q_scale = q_scale_,
                     queries = outputs[0].data<float>(), keys = outputs[1].data<float>(),
                     values = outputs[2].data<float>()]() mutable {
     thread_local std::vector<float> hs, ns, x, q, k, v, rows, rotated;
@@ -129,7 +148,7 @@ void AttentionIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     }
     const auto& positions = inputs[11];
     Rotation with = r;
-    if (inputs.size() > 12) with.freqs = inputs[12].data<float>();
+    if (freqs) with.freqs = inputs[12].data<float>();
     rope_rows(rows.data(), positions.data<int32_t>(), positions.size() > 1, T, H + KV, 1, D, with, rotated.data());
     for (int t = 0; t < T; ++t) {
       const float* src = rotated.data() + t * width;
@@ -148,7 +167,8 @@ void AttentionIn::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>
 
 bool AttentionIn::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AttentionIn&>(other);
-  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
+  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_ && packed_ == o.packed_ && heads_ == o.heads_ &&
+         kv_heads_ == o.kv_heads_ &&
          q_scale_ == o.q_scale_ && dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
          scale_ == o.scale_;
 }
@@ -162,13 +182,15 @@ mx::array mlp(const mx::array& h, const mx::array& norm, float eps, const Projec
   auto s = cpu_stream();
   std::vector<mx::array> inputs{as_float32(h, s), as_float32(norm, s)};
   inputs.insert(inputs.end(), gate_up_down.arrays.begin(), gate_up_down.arrays.end());
-  auto out = mx::array(h.shape(), mx::float32, std::make_shared<MLP>(s, eps, gate_up_down.groups, gate_up_down.bits),
-                       inputs);
+  inputs.insert(inputs.end(), gate_up_down.packed.begin(), gate_up_down.packed.end());
+  auto out = mx::array(
+      h.shape(), mx::float32,
+      std::make_shared<MLP>(s, eps, gate_up_down.groups, gate_up_down.bits, !gate_up_down.packed.empty()), inputs);
   return h.dtype() == mx::float32 ? out : mx::astype(out, h.dtype(), s);
 }
 
 void MLP::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto ps = problems_of(inputs, 2, groups_, bits_);
+  auto ps = problems_of(inputs, 2, groups_, bits_, packed_);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
@@ -204,7 +226,7 @@ void MLP::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool MLP::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const MLP&>(other);
-  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_;
+  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_ && packed_ == o.packed_;
 }
 
 }  // namespace kvmux_native

@@ -15,6 +15,7 @@
 #include "fused.h"
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/transforms.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -221,20 +222,25 @@ Shape shape_of(Isa isa) {
   }
 }
 
+// The int8 products (packed W) take all of their rows of x straight from
+// the codes, XROWS at a time, and whole packed blocks of weight rows.
 std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, Shape shape) {
   const int direct = shape.direct;
   std::vector<Item> items;
   size_t direct_bytes = 0;
   for (const auto& p : ps)
-    if (p.M <= direct) direct_bytes += size_t(p.N) * p.K * p.bits / 8;
+    if (p.M <= direct || p.packed) direct_bytes += size_t(p.N) * p.K * p.bits / 8;
   const size_t share = std::max<size_t>(16 << 10, direct_bytes / (size_t(threads) * ITEMS_PER_THREAD));
   for (int i = 0; i < int(ps.size()); ++i) {
     const auto& p = ps[i];
     if (p.M == 0) continue;
-    if (p.M <= direct) {
+    if (p.M <= direct || p.packed) {
       const size_t row_bytes = size_t(p.K) * p.bits / 8;
-      const int rows = std::max<int>(4, int(share / row_bytes) / 4 * 4);
-      for (int n0 = 0; n0 < p.N; n0 += rows) items.push_back({i, n0, std::min(p.N, n0 + rows), 0, p.M});
+      const int step = p.packed ? PACKED_ROWS : 4, x_rows = p.packed ? XROWS : p.M;
+      const int rows = std::max<int>(step, int(share / row_bytes) / step * step);
+      for (int n0 = 0; n0 < p.N; n0 += rows)
+        for (int m0 = 0; m0 < p.M; m0 += x_rows)
+          items.push_back({i, n0, std::min(p.N, n0 + rows), m0, std::min(p.M, m0 + x_rows)});
       continue;
     }
     const int rows = std::max(shape.tile, (8192 / p.K) / shape.tile * shape.tile);
@@ -245,17 +251,71 @@ std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, Shape sh
   return items;
 }
 
+Int8Kernels int8_for(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"))
+    return int8_avx512();
+#endif
+  return isa == Isa::scalar ? int8_scalar() : int8_avx2();
+}
+
+// A product's rows of x quantized for the int8 products (kernels.h's
+// Quantized, over these buffers).
+struct QuantizedRows {
+  std::vector<int8_t> x;
+  std::vector<float> dx, sums;
+  std::vector<int32_t> start;
+  Quantized q{};
+};
+
+void shape_rows(const Problem& p, QuantizedRows& r) {
+  const size_t blocks = size_t(p.M) * (p.K / 32);
+  r.x.resize(size_t(p.M) * p.K);
+  r.dx.resize(blocks);
+  r.start.resize(blocks);
+  r.sums.resize(size_t(p.M) * (p.K / p.group));
+  r.q = {r.x.data(), r.dx.data(), r.start.data(), r.sums.data()};
+}
+
 }  // namespace
 
 void compute(const std::vector<Problem>& ps) {
   const Isa isa = current_isa.load();
   const BlockFn block = block_for(isa);
+  const Int8Kernels int8 = int8_for(isa);
   const Shape shape = shape_of(isa);
   std::lock_guard<std::mutex> lock(pool_mutex);
+  // The int8 products' rows of x quantized first, a row an item.
+  thread_local std::vector<QuantizedRows> buffers;  // this (the stream's) thread's: the pool's use `quantized`
+  buffers.resize(ps.size());
+  auto& quantized = buffers;
+  std::vector<std::pair<int, int>> rows;
+  std::vector<int> source(ps.size());  // the product whose quantized rows each one reads
+  for (int i = 0; i < int(ps.size()); ++i) {
+    const Problem& p = ps[i];
+    if (!p.packed) continue;
+    source[i] = i;
+    for (int j = 0; j < i && source[i] == i; ++j)
+      if (ps[j].packed && ps[j].x == p.x && ps[j].K == p.K && ps[j].group == p.group && ps[j].bits == p.bits)
+        source[i] = source[j];
+    if (source[i] != i) continue;
+    shape_rows(p, quantized[i]);
+    for (int m = 0; m < p.M; ++m) rows.emplace_back(i, m);
+  }
+  if (!rows.empty())
+    pool->run(int(rows.size()), [&](int at) {
+      const auto [i, m] = rows[at];
+      const Problem& p = ps[i];
+      const size_t blocks = size_t(m) * (p.K / 32);
+      auto& r = quantized[i];
+      int8.quantize(p.x + size_t(m) * p.K, p.K, p.group, p.bits, r.x.data() + size_t(m) * p.K, r.dx.data() + blocks,
+                    r.start.data() + blocks, r.sums.data() + size_t(m) * (p.K / p.group));
+    });
   const auto items = items_of(ps, pool->size(), shape);
   pool->run(int(items.size()), [&](int at) {
     const Item& item = items[at];
     const Problem& p = ps[item.problem];
+    if (p.packed) return int8.products(p, quantized[source[item.problem]].q, item.n0, item.n1, item.m0, item.m1);
     thread_local std::vector<float> scratch;
     if (item.m1 - item.m0 > shape.direct && scratch.size() < size_t(item.n1 - item.n0) * p.K)
       scratch.resize(size_t(item.n1 - item.n0) * p.K);
@@ -291,6 +351,75 @@ Problem problem(const mx::array& w, const mx::array& scales, const mx::array& bi
   p.bits = bits;
   p.group = group;
   return p;
+}
+
+void pack_codes(const Problem& p, int scale_bytes, uint8_t* codes, uint8_t* scales) {
+  const int blocks = p.K / 32, groups = p.K / p.group, rows = (p.N + PACKED_ROWS - 1) / PACKED_ROWS;
+  const size_t row_bytes = size_t(p.K) * p.bits / 8, block_bytes = size_t(32) * p.bits / 8;
+  for (int r = 0; r < rows; ++r) {
+    for (int b = 0; b < blocks; ++b)
+      for (int t = 0; t < p.bits; ++t)  // a block's 4-byte pieces: 4 with 4 bits, 8 with 8
+        for (int j = 0; j < PACKED_ROWS; ++j) {
+          const int n = r * PACKED_ROWS + j;
+          uint8_t* to = codes + ((size_t(r) * blocks + b) * p.bits + t) * 64 + 4 * j;
+          if (n < p.N)
+            std::memcpy(to, p.w + n * row_bytes + b * block_bytes + 4 * t, 4);
+          else
+            std::memset(to, 0, 4);
+        }
+    for (int g = 0; g < groups; ++g)
+      for (int j = 0; j < PACKED_ROWS; ++j) {
+        const int n = r * PACKED_ROWS + j;
+        uint8_t* to = scales + ((size_t(r) * groups + g) * 32 + j) * scale_bytes;
+        const size_t from = (size_t(n) * groups + g) * scale_bytes;
+        for (int part = 0; part < 2; ++part, to += 16 * scale_bytes) {
+          if (n < p.N)
+            std::memcpy(to, static_cast<const uint8_t*>(part ? p.biases : p.scales) + from, scale_bytes);
+          else
+            std::memset(to, 0, scale_bytes);
+        }
+      }
+  }
+}
+
+std::vector<mx::array> pack(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits) {
+  check_quantized(w, scales, biases, group_size, bits, "pack");
+  if (bits != 4 && bits != 8)
+    throw std::invalid_argument("[kvmux_native.pack] the int8 products take 4- and 8-bit weights, not " +
+                                std::to_string(bits));
+  auto ws = mx::contiguous(w), ss = mx::contiguous(scales), bs = mx::contiguous(biases);
+  mx::eval({ws, ss, bs});
+  const Problem p = problem(ws, ss, bs, group_size, bits);
+  const int rows = (p.N + PACKED_ROWS - 1) / PACKED_ROWS * PACKED_ROWS, scale_bytes = int(scales.itemsize());
+  auto codes = mx::allocator::malloc(size_t(rows) * p.K * bits / 8);
+  auto packed_scales = mx::allocator::malloc(size_t(rows) * (p.K / group_size) * 2 * scale_bytes);
+  pack_codes(p, scale_bytes, static_cast<uint8_t*>(codes.buffer().raw_ptr()),
+             static_cast<uint8_t*>(packed_scales.buffer().raw_ptr()));
+  std::vector<mx::array> out;
+  out.emplace_back(std::move(codes), mx::Shape{rows, p.K * bits / 8}, mx::uint8);
+  out.emplace_back(std::move(packed_scales), mx::Shape{rows / PACKED_ROWS, (p.K / group_size) * 2 * PACKED_ROWS},
+                   scales.dtype());
+  return out;
+}
+
+void check_packed(const mx::array& w, const mx::array& scales, int group_size, int bits, const mx::array& codes,
+                  const mx::array& packed_scales, const std::string& op) {
+  const int N = w.shape(0), K = w.shape(1) * 32 / bits, rows = (N + PACKED_ROWS - 1) / PACKED_ROWS * PACKED_ROWS;
+  if (bits != 4 && bits != 8)
+    throw std::invalid_argument("[kvmux_native." + op + "] the int8 products take 4- and 8-bit weights, not " +
+                                std::to_string(bits));
+  if (codes.dtype() != mx::uint8 || codes.ndim() != 2 || codes.shape(0) != rows || codes.shape(1) != K * bits / 8 ||
+      packed_scales.dtype() != scales.dtype() || packed_scales.ndim() != 2 ||
+      packed_scales.shape(0) != rows / PACKED_ROWS || packed_scales.shape(1) != (K / group_size) * 2 * PACKED_ROWS)
+    throw std::invalid_argument("[kvmux_native." + op + "] packed must be pack()'s codes and scales of these weights");
+}
+
+void attach_packed(Problem& p, const mx::array& codes, const mx::array& scales) {
+  if (!codes.flags().row_contiguous || !scales.flags().row_contiguous)
+    throw std::invalid_argument("[kvmux_native] packed codes and scales must be row-contiguous");
+  p.packed = codes.data<uint8_t>();
+  p.packed_scales = scales.data<void>();
 }
 
 void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
@@ -329,7 +458,8 @@ mx::array qmatmul(
     const mx::array& biases,
     int group_size,
     int bits,
-    const std::optional<mx::array>& residual) {
+    const std::optional<mx::array>& residual,
+    const std::vector<mx::array>& packed) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.qmatmul] " + what); };
   check_quantized(w, scales, biases, group_size, bits, "qmatmul");
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
@@ -346,24 +476,32 @@ mx::array qmatmul(
     if (residual->shape() != shape) fail("residual must have the product's shape");
     inputs.push_back(as_float32(*residual, stream));
   }
-  auto out = mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits), inputs);
+  if (!packed.empty()) {
+    if (packed.size() != 2) fail("packed must be pack()'s two arrays");
+    check_packed(w, scales, group_size, bits, packed[0], packed[1], "qmatmul");
+    inputs.insert(inputs.end(), packed.begin(), packed.end());
+  }
+  auto out = mx::array(shape, mx::float32,
+                       std::make_shared<QuantizedMatmul>(stream, group_size, bits, !packed.empty()), inputs);
   return x_in.dtype() == mx::float32 ? out : mx::astype(out, x_in.dtype(), stream);
 }
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   Problem p = problem(inputs[1], inputs[2], inputs[3], group_size_, bits_);
+  const bool residual = inputs.size() > (packed_ ? 6u : 4u);
+  if (packed_) attach_packed(p, inputs[inputs.size() - 2], inputs.back());
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   p.out = out.data<float>();
   p.M = int(inputs[0].size() / p.K);
-  encoder.dispatch([p, inputs]() mutable {
+  encoder.dispatch([p, inputs, residual]() mutable {
     if (p.M == 0) return;
     thread_local std::vector<float> copy, ordered, rest;  // the stream thread's, reused
     p.x = kernel_rows(contiguous_rows(inputs[0], copy), p.M, p.K, p.bits, ordered);
     compute({p});
-    if (inputs.size() > 4) {  // out = residual + x @ W.T, the sum MLX's add would make
+    if (residual) {  // out = residual + x @ W.T, the sum MLX's add would make
       const float* r = contiguous_rows(inputs[4], rest);
       for (size_t i = 0; i < size_t(p.M) * p.N; ++i) p.out[i] = r[i] + p.out[i];
     }
@@ -376,7 +514,7 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_;
 }
 
 void parallel_for(int count, const std::function<void(int)>& items) {

@@ -21,7 +21,8 @@ namespace mx = mlx::core;
 
 // x (..., K) @ W.T -> (..., N), W given as MLX's packed uint32 codes (N,
 // K * bits / 32) with scales and biases (N, K / group_size); plus
-// `residual` (..., N) where given (a layer's residual stream: one op).
+// `residual` (..., N) where given (a layer's residual stream: one op). With
+// `packed` (pack()'s two arrays of W), the int8 products (kernels.h).
 mx::array qmatmul(
     const mx::array& x,
     const mx::array& w,
@@ -29,7 +30,22 @@ mx::array qmatmul(
     const mx::array& biases,
     int group_size,
     int bits,
-    const std::optional<mx::array>& residual = std::nullopt);
+    const std::optional<mx::array>& residual = std::nullopt,
+    const std::vector<mx::array>& packed = {});
+
+// W in the int8 products' packed layout (kernels.h): its codes (uint8,
+// (N rounded up to 16, K * bits / 8)) and scales and biases (scales'
+// dtype, (N / 16 rounded up, 32 per group)). 4- and 8-bit weights.
+std::vector<mx::array> pack(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits);
+
+// Throws std::invalid_argument (naming `op`) unless `codes` and
+// `packed_scales` are pack()'s arrays of a matrix of w's and scales' shapes.
+void check_packed(const mx::array& w, const mx::array& scales, int group_size, int bits, const mx::array& codes,
+                  const mx::array& packed_scales, const std::string& op);
+
+// p computed by the int8 products from the packed arrays (evaluated).
+void attach_packed(Problem& p, const mx::array& codes, const mx::array& scales);
 
 // Throws std::invalid_argument (naming `op`) unless w, scales and biases
 // are an affine quantized matrix of `bits` and `group_size`.
@@ -51,8 +67,8 @@ void compute(const std::vector<Problem>& ps);
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool packed)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -62,6 +78,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  bool packed_;  // the inputs end in pack()'s arrays
 };
 
 // x's elements (T: float for float32, uint16_t for float16's bits) in
