@@ -773,8 +773,11 @@ def test_a_worker_without_the_kernel_serves_the_same_tokens(stack_factory, share
 @pytest.mark.stack
 def test_a_worker_on_the_int8_products_says_so_and_keeps_a_sessions_tokens_in_shared_passes(stack_factory):
     """`--cpu-products int8`: Compute names them; sessions decoding together
-    (one pass) get the tokens each gets alone: x's quantization is per row."""
+    (one pass a step) get the tokens each gets decoding alone: x's
+    quantization is per row. Each prompt is prefilled alone first, so the
+    two sides' slabs hold the same keys and values."""
     from concurrent.futures import ThreadPoolExecutor
+    from contextlib import ExitStack
 
     from kvmux.client import Client
 
@@ -782,14 +785,22 @@ def test_a_worker_on_the_int8_products_says_so_and_keeps_a_sessions_tokens_in_sh
     compute = stack.stats().workers[0].compute
     assert compute.kernel == f"kvmux_native {native.isas()[0]}, {native.threads()} threads, int8 products"
     prompts = ["Why is the sky blue?", "Name three fruits.", "What is 12 times 12?", "Describe a cat in one line."]
+
+    def replies(client, together):
+        with ExitStack() as opened:
+            sessions = [opened.enter_context(client.open_session()) for _ in prompts]
+            for session, prompt in zip(sessions, prompts, strict=True):
+                session.append(messages=[{"role": "user", "content": prompt}])
+
+            def reply(session):
+                return [t for c in session.generate(max_tokens=12, temperature=0.0) for t in c.token_ids]
+
+            if not together:
+                return [reply(session) for session in sessions]
+            with ThreadPoolExecutor(len(sessions)) as pool:
+                return list(pool.map(reply, sessions))
+
     with Client(stack.frontend, timeout=300) as client:
-
-        def reply(i):
-            with client.open_session() as session:
-                return [t for c in session.chat(prompts[i], max_tokens=12, temperature=0.0) for t in c.token_ids]
-
-        alone = [reply(i) for i in range(len(prompts))]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(reply, range(len(prompts))))
+        alone, together = replies(client, False), replies(client, True)
     assert all(len(tokens) == 12 for tokens in alone)
     assert together == alone
