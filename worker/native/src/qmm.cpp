@@ -286,11 +286,17 @@ void compute(const std::vector<Problem>& ps) {
   const Shape shape = shape_of(isa);
   std::lock_guard<std::mutex> lock(pool_mutex);
   // The int8 products' rows of x quantized first, a row an item.
-  thread_local std::vector<QuantizedRows> buffers;  // this (the stream's) thread's: the pool's use `quantized`
+  // This (the stream's) thread's buffers, reused from op to op; the pool
+  // reaches them through the references.
+  thread_local std::vector<QuantizedRows> buffers;
+  thread_local std::vector<std::pair<int, int>> row_buffer;
+  thread_local std::vector<int> source_buffer;
   buffers.resize(ps.size());
+  source_buffer.assign(ps.size(), 0);
+  row_buffer.clear();
   auto& quantized = buffers;
-  std::vector<std::pair<int, int>> rows;
-  std::vector<int> source(ps.size());  // the product whose quantized rows each one reads
+  auto& rows = row_buffer;
+  auto& source = source_buffer;  // the product whose quantized rows each one reads
   for (int i = 0; i < int(ps.size()); ++i) {
     const Problem& p = ps[i];
     if (!p.packed) continue;
