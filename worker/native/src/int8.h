@@ -41,9 +41,9 @@ void int8_rows(const kvmux_native::Problem& p, const kvmux_native::Quantized& q,
       s = Q::load(floats[0]);
       bias = Q::fma(s, Q::set1(float(1 << (BITS - 1))), Q::load(floats[1]));
     }
-    const uint8_t* at = codes + size_t(b) * BITS * 64;
-    for (int line = 0; line < BITS * 64; line += 64) __builtin_prefetch(at + PREFETCH + line);
-    const auto block = Q::template load<BITS>(at);
+    const uint8_t* block_codes = codes + size_t(b) * BITS * 64;
+    for (int line = 0; line < BITS * 64; line += 64) __builtin_prefetch(block_codes + PREFETCH + line);
+    const auto block = Q::template load<BITS>(block_codes);
 #pragma GCC unroll 8
     for (int i = 0; i < MB; ++i) {
       const size_t row = size_t(m0 + i), at = row * blocks + b;
