@@ -309,6 +309,7 @@ class Broker:
             self._next_heartbeat = now + self.cfg.heartbeat_s
             for worker in list(self.registry.workers.values()):
                 self.to_worker(worker, b"", envelope(Op.HEARTBEAT), _EMPTY_MAP)
+            self._probe_quiet_clients(now)
         self._discount_own_stall(now)
         deadline = self.cfg.heartbeat_s * self.cfg.heartbeat_liveness
         for worker in list(self.registry.workers.values()):
@@ -749,6 +750,7 @@ class Broker:
                     f"stream cancelled: the client fell {self.cfg.client_backlog} frames behind ({req.dropped} chunks not sent); read faster or use Generate.credit",
                 )
             self._to_client(route, [env_raw, body])
+            req.last_sent = now
             worker.frames_forwarded += 1
             self.frames_forwarded += 1
 
@@ -840,6 +842,22 @@ class Broker:
                 self.own_request(req.worker, Op.CANCEL, req.session_id, Cancel(request_id=req.request_id))
                 cancelled += 1
         log.info("client_gone", client=route.hex(), cancelled=cancelled, queued=len(dropped))
+
+    def _probe_quiet_clients(self, now: float) -> None:
+        """A vanished client is found when a frame to it fails. One whose
+        requests send it nothing (a stream paused on its credit, a long
+        prefill, a queued open) would never be found, and its stream would
+        hold the session and its slab for good: a heartbeat to each such
+        client, every interval, finds it (clients ignore heartbeats)."""
+        quiet_for = self.cfg.heartbeat_s
+        routes = {
+            r.route
+            for r in self.registry.requests.values()
+            if r.route and not r.orphaned and now - max(r.started, r.last_sent) >= quiet_for
+        }
+        routes.update(p.route for p in self.admission.queue if now - p.enqueued >= quiet_for)
+        for route in routes:
+            self.outbox.probe(route, [envelope(Op.HEARTBEAT), _EMPTY_MAP])
 
     # --------------------------------------------------------------- sends
 

@@ -86,6 +86,13 @@ class Outbox:
             return _send(self.admin, [route[len(ADMIN) :], *parts])
         return _send(self.frontend, [route, *parts])
 
+    def probe(self, route: bytes, parts: list[bytes]) -> None:
+        """Send `parts` (a heartbeat) only to learn whether the client is
+        still there. Frames waiting in its backlog will tell already, and a
+        full pipe means it is there."""
+        if route not in self.backlog and self._to(route, parts) is Sent.UNREACHABLE:
+            self._gone(route)
+
     def forget(self, route: bytes) -> None:
         self.backlog.pop(route, None)
 

@@ -141,6 +141,7 @@ class Request:
     started: float = 0.0  # when the client's frame came (metrics: time to first token)
     priority: int = 0  # an OPEN's: the session's default priority
     last_token: float = 0.0  # when its stream's last chunk passed (0: none yet)
+    last_sent: float = 0.0  # when a reply of it last went to its client (0: none yet)
 
 
 class Registry:

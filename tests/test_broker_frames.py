@@ -33,9 +33,13 @@ class Raw:
         return request_id
 
     def recv(self, timeout_s: float = 30.0) -> tuple[p.Envelope, object]:
-        assert self.sock.poll(int(timeout_s * 1000)), f"no reply within {timeout_s}s"
-        env, body = self.sock.recv_multipart()
-        return p.decode_envelope(env), p.decode_reply(body)
+        """The next reply (the broker's heartbeats skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))), f"no reply within {timeout_s}s"
+            env, body = self.sock.recv_multipart()
+            if (envelope := p.decode_envelope(env)).op != Op.HEARTBEAT:
+                return envelope, p.decode_reply(body)
 
     def call(self, op: str, body, session_id: str = "", timeout_s: float = 30.0) -> tuple[p.Envelope, object]:
         """Send one request; return its last reply (partials are skipped)."""

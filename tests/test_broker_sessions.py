@@ -1,6 +1,8 @@
 """Sessions and the broker: an idle one is closed by the idle timeout and
 its client hears `session expired`; a client that vanishes mid-stream has
-its generation cancelled on the worker, and its session stays resumable."""
+its generation cancelled on the worker, and its session stays resumable,
+even when the stream was paused on its credit (found by the broker's
+heartbeats, which a live client's paused stream outlasts)."""
 
 from __future__ import annotations
 
@@ -71,3 +73,36 @@ def test_client_vanishing_mid_stream_cancels_it_and_keeps_the_session(stacks):
     assert info.history_tokens > 0 and not info.busy
     other.call(Op.CLOSE, p.Close(), opened.session_id)
     other.close()
+
+
+def test_a_client_vanishing_while_its_stream_waits_on_credit_is_found(stacks):
+    """No frame goes to a client whose stream waits for its credit, so its
+    vanishing shows only to the broker's heartbeats: within a few intervals
+    the stream is cancelled and the session freed. A client that is still
+    there keeps its paused stream through the same heartbeats."""
+    stack = stacks["plain"]
+    story = p.Generate(messages=[p.ChatMessage("user", "Tell me a long story.")], max_tokens=64, credit=1)
+    live, doomed = Raw(stack.frontend), Raw(stack.frontend)
+    _, kept = live.call(Op.OPEN, p.OpenSession())
+    _, lost = doomed.call(Op.OPEN, p.OpenSession())
+    kept_id = live.send(Op.GENERATE, story, kept.session_id)
+    doomed.send(Op.GENERATE, story, lost.session_id)
+    assert live.recv()[0].op == Op.PARTIAL and doomed.recv()[0].op == Op.PARTIAL
+    doomed.close()  # gone, without a word, while its stream waits on credit
+    gone = time.monotonic()
+    while (stats := stack.stats()).in_flight > 1:
+        assert time.monotonic() - gone < 5 * p.HEARTBEAT_INTERVAL_S, f"still waiting: {stats}"
+        time.sleep(0.05)
+    other = Raw(stack.frontend)
+    _, info = other.call(Op.INFO, p.Info(), lost.session_id)
+    assert info.history_tokens > 0 and not info.busy  # the stream was cancelled, its tokens kept
+    other.call(Op.CLOSE, p.Close(), lost.session_id)
+    other.close()
+
+    env = None
+    while env is None or env.op == Op.PARTIAL:  # paused for seconds, and still there: read on
+        live.send(Op.CREDIT, p.Credit(request_id=kept_id, n=1), kept.session_id)
+        env, result = live.recv()
+    assert env.op == Op.FINAL and result.stop_reason != p.StopReason.CANCELLED, (env, result)
+    live.call(Op.CLOSE, p.Close(), kept.session_id)
+    live.close()

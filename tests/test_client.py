@@ -168,7 +168,8 @@ def test_server_errors_map_to_classes(client, shared_stack):
             client.open_session(chat_template_kwargs={"tokenize": True})  # apply_chat_template's own option
         with pytest.raises(InvalidArgument):
             session.append()  # neither messages nor token ids
-        stream = session.chat("Describe a forest in detail.", max_tokens=16)
+        # credit holds the generation in flight however fast the worker decodes
+        stream = session.chat("Describe a forest in detail.", max_tokens=64, credit=2)
         next(stream)
         with pytest.raises(Busy):
             ghost(session).append(token_ids=[28])

@@ -93,7 +93,8 @@ def test_errors(shared_stack, tmp_path):
             with pytest.raises(InvalidArgument):
                 await client.open_session(sink=-1)
             session = await client.open_session()
-            stream = session.chat("Describe a mountain.", max_tokens=16)
+            # credit holds the generation in flight however fast the worker decodes
+            stream = session.chat("Describe a mountain.", max_tokens=64, credit=2)
             await stream.__anext__()
             with pytest.raises(Busy):
                 await AsyncSession(client, session.opened).append(token_ids=[28])

@@ -96,7 +96,8 @@ class Reply(NamedTuple):
 
 
 def parse(frames: list[bytes]) -> Reply | None:
-    """A reply, or None (logged) when not even its envelope decodes."""
+    """A reply, or None: for the broker's heartbeats (its probes whether we
+    are still here), and (logged) when not even the envelope decodes."""
     if len(frames) != 2:
         log.warning("dropping reply with %d frames", len(frames))
         return None
@@ -104,6 +105,8 @@ def parse(frames: list[bytes]) -> Reply | None:
         env = p.decode_envelope(frames[0])
     except p.ProtocolError as exc:
         log.warning("dropping reply: %s", exc.message)
+        return None
+    if env.op == p.Op.HEARTBEAT:
         return None
     try:
         body: p.ReplyBody | errors.KvmuxError = p.decode_reply(frames[1])

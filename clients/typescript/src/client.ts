@@ -324,6 +324,7 @@ export class Client {
     } catch {
       return; // not even an envelope: nobody to tell
     }
+    if (op === Op.HEARTBEAT) return; // the broker's probe whether we are still here
     const queue = this.calls.get(requestId);
     if (!queue) return; // timed out or cancelled meanwhile
     if (op !== Op.PARTIAL) this.calls.delete(requestId);

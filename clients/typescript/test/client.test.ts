@@ -164,7 +164,8 @@ describe("Node client on a real stack", { skip: endpoint ? false : "KVMUX_ENDPOI
     await assert.rejects(client.openSession({ chatTemplateKwargs: ["no"] as unknown as Record<string, unknown> }), InvalidArgument);
     const session = await client.openSession();
     await assert.rejects(session.append({}), InvalidArgument);
-    const stream = session.chat("Describe a forest.", { maxTokens: 16 });
+    // credit holds the generation in flight however fast the worker decodes
+    const stream = session.chat("Describe a forest.", { maxTokens: 64, credit: 2 });
     await stream.next();
     const ghost = new Session(client, session.opened); // a second handle on the same id
     await assert.rejects(ghost.append({ tokenIds: [28] }), Busy);
