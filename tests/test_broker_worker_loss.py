@@ -25,8 +25,8 @@ def test_worker_killed_mid_generation(stack_factory):
         session = client.open_session(system="Be brief.")
         assert len(list(session.chat("Name a fruit.", max_tokens=2))) == 2  # a completed turn
         kept = session.info().history_tokens
-        stream = session.chat("Write a long story about a lighthouse.", max_tokens=16)
-        next(stream)  # generating now
+        stream = session.chat("Write a long story about a lighthouse.", max_tokens=16, credit=2)
+        next(stream)  # generating now, held by its credit however fast the worker decodes
         killed = time.monotonic()
         stack.kill_worker(0)
         with pytest.raises(WorkerLost):

@@ -224,7 +224,7 @@ def test_overloaded_worker_lost_and_expired(stack_factory):
     stack = stack_factory(workers=1, slabs=1, broker_args=["--idle-timeout-s", "3"])
     with Client(stack.frontend, timeout=30) as c:
         session = c.open_session()
-        stream = session.chat("Tell me a long story.", max_tokens=16)
+        stream = session.chat("Tell me a long story.", max_tokens=16, credit=2)  # held by its credit
         next(stream)  # the only slab runs a generation: nothing to hibernate
         with pytest.raises(Overloaded) as err:
             c.open_session(admission="reject")

@@ -42,8 +42,8 @@ def test_sigterm_during_three_generations(stack_factory):
             results[i] = (sum(len(c.token_ids) for c in chunks), stream.result, time.monotonic())
 
     threads = [
-        threading.Thread(target=chat, args=(i, n)) for i, n in enumerate((2, 256, 256))
-    ]  # the long ones outlast the grace
+        threading.Thread(target=chat, args=(i, n)) for i, n in enumerate((2, 1024, 1024))
+    ]  # the long ones outlast the grace, however fast the worker decodes
     for thread in threads:
         thread.start()
     started.wait(60)

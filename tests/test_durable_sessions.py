@@ -107,7 +107,7 @@ def test_worker_killed_mid_generation_restarts_and_resumes(tmp_path):
     with Daemon(tmp_path, slabs=2) as daemon, Client(daemon.frontend, timeout=120) as client:
         session = client.open_session(system="Be brief.")
         first = reply(session, "Name a fruit.")
-        stream = session.chat("Write a long story about a lighthouse.", max_tokens=64)
+        stream = session.chat("Write a long story about a lighthouse.", max_tokens=64, credit=2)  # held by its credit
         next(stream)
         pid = client.stats().workers[0].pid
         os.kill(pid, signal.SIGKILL)
@@ -239,7 +239,7 @@ def test_reject_still_refuses_when_every_slab_runs(stack_factory):
     stack = stack_factory(workers=1, slabs=1, broker_args=["--admission", "reject"])
     with Client(stack.frontend, timeout=60) as client:
         busy = client.open_session()
-        stream = busy.chat("Write a long story about the sea.", max_tokens=64)
+        stream = busy.chat("Write a long story about the sea.", max_tokens=64, credit=2)  # held by its credit
         next(stream)
         with pytest.raises(Overloaded) as refused:
             client.open_session()

@@ -28,7 +28,7 @@ def test_tcp_worker_joins_and_leaves(stack_factory):
         stats = client.stats()
         assert stats.slabs_total == 3 and stats.slabs_used == 3 and len(stats.workers) == 2
 
-        stream = second.chat("Tell me a long story.", max_tokens=16)
+        stream = second.chat("Tell me a long story.", max_tokens=16, credit=2)  # held by its credit
         next(stream)
         stack.kill_worker(1)
         with pytest.raises(WorkerLost):

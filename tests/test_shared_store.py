@@ -87,8 +87,8 @@ def test_a_worker_declared_lost_cannot_overwrite_the_sessions_new_home(redis_ser
             (session,) = [s for s in opened if s.opened.worker_id == worker_id(stale)]  # on the second host
             (first,) = [s for s in opened if s is not session]
             turn(session, "Name a fruit.")
-            stream = session.chat("Write a long story about a lighthouse.", max_tokens=48, **GREEDY)
-            next(stream)
+            stream = session.chat("Write a long story about a lighthouse.", max_tokens=48, credit=2, **GREEDY)
+            next(stream)  # held by its credit however fast the worker decodes
             stale.send_signal(signal.SIGSTOP)  # frozen mid-generation: silent, then declared lost
             with pytest.raises(WorkerLost):
                 for _ in stream:

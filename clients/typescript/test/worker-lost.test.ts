@@ -13,7 +13,7 @@ test("a killed worker fails the stream with WorkerLost", { skip: endpoint && pro
   const client = new Client(endpoint, { timeoutMs: 30_000 });
   try {
     const session = await client.openSession();
-    const stream = session.chat("Tell me a long story.", { maxTokens: 16 });
+    const stream = session.chat("Tell me a long story.", { maxTokens: 16, credit: 2 }); // held by its credit
     await stream.next();
     const { workers } = await client.stats();
     const worker = workers.find((w) => w.workerId === session.opened.workerId);
