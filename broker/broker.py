@@ -855,7 +855,7 @@ class Broker:
             for r in self.registry.requests.values()
             if r.route and not r.orphaned and now - max(r.started, r.last_sent) >= quiet_for
         }
-        routes.update(p.route for p in self.admission.queue if now - p.enqueued >= quiet_for)
+        routes.update(q.route for q in self.admission.queue if now - q.enqueued >= quiet_for)
         for route in routes:
             self.outbox.probe(route, [envelope(Op.HEARTBEAT), _EMPTY_MAP])
 

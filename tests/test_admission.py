@@ -2,10 +2,13 @@
 generation (an idle slab never refuses anyone: its session hibernates for
 the newcomer). Then `reject` refuses 20 clients at once with `no_slab`,
 and `queue` (depth 16, wait 30 s) holds 16 clients and serves them all once
-the slabs are released, every token delivered once."""
+the slabs are released, every token delivered once; a queued open whose
+client vanished leaves the queue."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -14,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import Stack
 
+from kvmux import protocol as p
 from kvmux.client import Client, Overloaded
 
 pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
@@ -119,6 +123,30 @@ def test_queue_serves_everyone(stack):
     assert stats.hibernations > before.hibernations  # slabs went from idle sessions to the queue
     assert 0 < stats.queue_wait_p50_s <= stats.queue_wait_p99_s < 60
     assert sum(w.frames_forwarded for w in stats.workers) == stats.frames_forwarded
+
+
+def test_a_queued_open_whose_client_vanished_is_dropped_before_it_takes_a_slab(stack):
+    """Nothing is sent to a client whose open waits in the queue: the
+    broker's heartbeats find it gone, and its open leaves the queue while
+    every slab is still held (it would else open a session nobody owns)."""
+    holders = Holders(stack)
+    try:
+        before = stack.stats()
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from kvmux.client import Client; Client({stack.frontend!r}, timeout=60).open_session()",
+            ]
+        )
+        _wait_for(lambda: stack.stats().queue_depth == 1)
+        child.kill()
+        child.wait()
+        _wait_for(lambda: stack.stats().queue_depth == 0, timeout_s=5 * p.HEARTBEAT_INTERVAL_S)
+        stats = stack.stats()
+        assert stats.sessions == before.sessions and stats.admitted == before.admitted
+    finally:
+        holders.close()
 
 
 def _wait_for(predicate, timeout_s: float = 30.0) -> None:
