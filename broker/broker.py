@@ -132,9 +132,11 @@ class Broker:
         self.auth = auth.Auth(cfg.curve_secret, cfg.client_keys, cfg.worker_keys, cfg.admin_keys) if cfg.curve else None
         if self.auth is not None:
             self.auth.start(self.ctx)  # before any CURVE socket binds
-        self.frontend = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
+        self.frontend = self._router(
+            cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes, liveness_s=cfg.client_liveness_s
+        )
         self.backend = self._router(cfg.backend_hwm)
-        self.admin = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
+        self.admin = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes, liveness_s=cfg.client_liveness_s)
         self.curve_frontend = self.auth is not None and cfg.frontend.startswith("tcp://")
         if self.curve_frontend:
             self.auth.secure(self.frontend, auth.FRONTEND)
@@ -164,7 +166,7 @@ class Broker:
         self.lifecycle = Lifecycle(cfg, self.registry, self.admission, self.store, self, self.metrics)
         self.lifecycle.load(time.monotonic())
 
-    def _router(self, hwm: int, max_msg: int = -1) -> zmq.Socket:
+    def _router(self, hwm: int, max_msg: int = -1, liveness_s: float = 0.0) -> zmq.Socket:
         # Options before bind: set later they do not apply to accepted peers.
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -172,6 +174,12 @@ class Broker:
         sock.setsockopt(zmq.RCVHWM, hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)  # far past max_frame_bytes: cut the peer off
         sock.setsockopt(zmq.LINGER, 1000)
+        if liveness_s:
+            # libzmq PINGs each peer and drops a connection that stays
+            # silent (its host died, its network went): its route goes, so
+            # the next frame to it fails and the client is found gone.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, round(self.cfg.heartbeat_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(liveness_s * 1000))
         return sock
 
     def bind(self) -> None:

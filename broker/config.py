@@ -134,6 +134,13 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     heartbeat_liveness: Annotated[
         float, msgspec.Meta(ge=1), doc("Heartbeat intervals of silence after which a worker is dead.")
     ] = HEARTBEAT_LIVENESS
+    client_liveness_s: Annotated[
+        NonNegative,
+        doc(
+            "A client connection that answers none of ZeroMQ's heartbeats (sent every heartbeat_s) for this long is"
+            " dropped, and its streams cancelled: a client whose host or network died; 0: never."
+        ),
+    ] = 30.0
     max_frame_bytes: Annotated[
         int, msgspec.Meta(ge=1024), doc("Largest client frame accepted (envelope + body), in bytes.")
     ] = DEFAULT_MAX_FRAME_BYTES
@@ -165,6 +172,10 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
         super().__post_init__()
         if self.admission == "queue" and self.queue_depth == 0:
             raise ValueError("admission = 'queue' needs queue_depth >= 1")
+        if 0 < self.client_liveness_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                "client_liveness_s must be 0 (never) or at least two heartbeat intervals (2 x heartbeat_s)"
+            )
         self.frontend = self.frontend or paths.default_frontend()
         self.backend = self.backend or paths.default_backend()
         self.admin_endpoint = self.admin_endpoint or paths.default_admin()

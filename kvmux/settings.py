@@ -130,9 +130,11 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "Bytes of shared prefixes kept in the session store, least recently used evicted first, never a pinned one."
         ),
     ] = 4 << 30
-    heartbeat_s: Annotated[float, msgspec.Meta(ge=0.05), doc("Heartbeat interval between the broker and a worker.")] = (
-        HEARTBEAT_INTERVAL_S
-    )
+    heartbeat_s: Annotated[
+        float,
+        msgspec.Meta(ge=0.05),
+        doc("Heartbeat interval between the broker and its workers (and its quiet clients)."),
+    ] = HEARTBEAT_INTERVAL_S
     max_tokens_limit: Annotated[AtLeastOne, doc("A worker answers `invalid_argument` for a larger max_tokens.")] = (
         DEFAULT_MAX_TOKENS_LIMIT
     )

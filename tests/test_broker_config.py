@@ -37,6 +37,7 @@ def test_toml_values_and_command_line_override(tmp_path):
         ("slabs = [", {}, "not valid TOML"),
         ("", {"admission": "queue", "queue_depth": 0}, "admission = 'queue' needs queue_depth >= 1"),
         ("", {"client_quota": -2}, "client_quota: Expected `int` >= 0"),
+        ("client_liveness_s = 1.5", {}, "client_liveness_s must be 0 (never) or at least two heartbeat intervals"),
     ],
 )
 def test_bad_values_are_named(tmp_path, toml, overrides, expected):

@@ -2,10 +2,16 @@
 its client hears `session expired`; a client that vanishes mid-stream has
 its generation cancelled on the worker, and its session stays resumable,
 even when the stream was paused on its credit (found by the broker's
-heartbeats, which a live client's paused stream outlasts)."""
+heartbeats, which a live client's paused stream outlasts), and when its
+process stopped answering (a host or network gone: ZeroMQ's own heartbeats
+drop its connection)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -19,13 +25,15 @@ from kvmux.protocol import Op
 pytestmark = pytest.mark.stack  # each test starts processes of its own (the whole suite only)
 
 IDLE_S = 1.0
+CLIENT_LIVENESS_S = 2.0
 
 
 @pytest.fixture(scope="module")
 def stacks():
     """One with the idle timeout, one without (a session there must stay), started at once."""
     with stacks_at_once(
-        idle={"slabs": 2, "broker_args": ["--idle-timeout-s", str(IDLE_S)]}, plain={"slabs": 2}
+        idle={"slabs": 2, "broker_args": ["--idle-timeout-s", str(IDLE_S)]},
+        plain={"slabs": 2, "broker_args": ["--client-liveness-s", str(CLIENT_LIVENESS_S)]},
     ) as stacks:
         yield stacks
 
@@ -106,3 +114,38 @@ def test_a_client_vanishing_while_its_stream_waits_on_credit_is_found(stacks):
     assert env.op == Op.FINAL and result.stop_reason != p.StopReason.CANCELLED, (env, result)
     live.call(Op.CLOSE, p.Close(), kept.session_id)
     live.close()
+
+
+def test_a_client_that_stops_answering_is_dropped_and_its_stream_cancelled(stacks):
+    """A client stopped mid-stream (SIGSTOP: its connection stays open, as a
+    dead host's or a cut network's can) answers none of ZeroMQ's heartbeats:
+    after --client-liveness-s its connection is dropped, its paused stream
+    cancelled and its session freed, resumable by id."""
+    stack = stacks["plain"]
+    script = textwrap.dedent(f"""
+        import time
+        from kvmux.client import Client
+        session = Client({stack.frontend!r}, timeout=60).open_session()
+        stream = session.chat("Tell me a long story.", max_tokens=64, credit=1)
+        next(stream)
+        print(session.id, flush=True)
+        time.sleep(600)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        session_id = child.stdout.readline().strip()
+        assert len(session_id) == 32, session_id
+        child.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        while (stats := stack.stats()).in_flight:
+            assert time.monotonic() - stopped < CLIENT_LIVENESS_S + 5 * p.HEARTBEAT_INTERVAL_S, f"still held: {stats}"
+            time.sleep(0.1)
+        assert time.monotonic() - stopped > CLIENT_LIVENESS_S / 2  # the client's silence, not something else
+    finally:
+        child.kill()
+        child.wait()
+    with Client(stack.frontend, timeout=30) as client:
+        resumed = client.resume_session(session_id)
+        info = resumed.info()
+        assert info.history_tokens > 0 and not info.busy
+        resumed.close()
