@@ -61,8 +61,9 @@ def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruc
             whole[isa] = native.qmatmul(x, codes, s, b, 32, bits)
             for at in (0, 1, 2, 3, 5, 16, 63, 64, 150, 299):  # the direct path's tiles, the scratch path's, chunk edges
                 # one row's own path; on AVX-512 3 and 12 rows in passes of up to 6 (12: 6 + 6), 8, 9 and 17
-                # in passes of up to 9 (17: 9 + 8); on AVX2 8 rows and more through the scratch, as 33 everywhere
-                for rows in (1, 3, 8, 9, 12, 17, 33):
+                # in passes of up to 9 (17: 9 + 8); on AVX2 2 to 4 in passes of 2 (3: 2 + 1), 8 rows and more
+                # through the scratch, as 33 everywhere
+                for rows in (1, 2, 3, 4, 8, 9, 12, 17, 33):
                     part = native.qmatmul(x[at : at + rows], codes, s, b, 32, bits)
                     assert mx.array_equal(part, whole[isa][at : at + rows]).item(), f"{isa}: rows {at}+{rows}"
     finally:
