@@ -197,6 +197,8 @@ constexpr int AHEAD = 1;
 // a decode row's 8 sums on the stack, a store and a load each a group:
 // one thread, 1,536 x 576 in cache, 1 row of x 13.0 -> 13.7 multiply-adds
 // a ns, 2 and 4 rows 15.1 -> 19.2 and 15.9 -> 20.3 (AMD EPYC, Zen 3).
+// AVX-512's 32 registers held a decode row's sums already: its loops stay
+// as they were (not measured otherwise: that host had no AVX-512).
 template <class V, int BITS, int STEPS, int NB, int MB>
 inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
                         const float* bias, int nb, int nn, int m0) {
