@@ -16,11 +16,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+import zmq
 from conftest import broker_stats
 from test_metrics import scrape, value
 
+from kvmux import protocol as p
 from kvmux.bench import redis_server as bench_redis
-from kvmux.client import Client, Overloaded, SessionExpired
+from kvmux.client import Client, Overloaded, SessionExpired, SessionNotFound
 from kvmux.sessions import LocalStore, SessionRecord, StoreFull
 from kvmux.sessions.redis_store import RedisStore
 
@@ -112,7 +114,7 @@ def fill(where: Path) -> Path:
 def test_a_full_disk_is_a_typed_error_and_loses_nothing_stored(stack_factory):
     with tmpfs("16m") as state:
         stack = stack_factory(
-            workers=1, slabs=3, broker_args=["--state-dir", str(state)], worker_args=["--state-dir", str(state)]
+            workers=1, slabs=4, broker_args=["--state-dir", str(state)], worker_args=["--state-dir", str(state)]
         )
         with Client(stack.frontend, timeout=60) as client:
             kept = client.open_session("You are terse.")
@@ -121,6 +123,7 @@ def test_a_full_disk_is_a_typed_error_and_loses_nothing_stored(stack_factory):
             busy = client.open_session("You are terse.")
             say(busy, "Name a fruit.")
             before = busy.info()
+            closing = client.open_session("You are terse.")
             filler = fill(state)
             with pytest.raises(Overloaded) as refused:
                 say(busy, "Another one?")
@@ -128,6 +131,15 @@ def test_a_full_disk_is_a_typed_error_and_loses_nothing_stored(stack_factory):
             with pytest.raises(Overloaded) as refused:
                 client.open_session()
             assert refused.value.reason == "store_full"
+            # A close sent behind a generation waits for it; the generation's
+            # record finds no room, which drops the live copy: the close is
+            # still answered, and closes what stands in the store.
+            generated, closed = generate_then_close(stack.frontend, closing.id)
+            assert isinstance(generated, p.Error) and generated.reason == "store_full", generated
+            assert isinstance(closed, p.Closed), closed
+            closing.detach()
+            with pytest.raises(SessionNotFound):
+                say(client.resume_session(closing.id), "Still there?")
             assert broker_stats(stack.admin) is not None  # the daemon serves on
             # The session stays as its record last stood: the turn that found no room is not in it.
             assert busy.info().messages == before.messages
@@ -136,6 +148,29 @@ def test_a_full_disk_is_a_typed_error_and_loses_nothing_stored(stack_factory):
             assert say(kept, "Another?")  # nothing stored was lost
             assert say(busy, "Another one?")
             assert busy.info().messages == before.messages + 2
+
+
+def generate_then_close(endpoint: str, session_id: str) -> tuple:
+    """GENERATE, then at once CLOSE, on one socket: the last reply of each."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        ask = p.Generate(messages=[p.ChatMessage(role="user", content="Write a long poem.")], max_tokens=32)
+        sock.send_multipart([p.envelope(p.Op.GENERATE, 1, session_id), p.encode(ask)])
+        sock.send_multipart([p.envelope(p.Op.CLOSE, 2, session_id), p.encode(p.Close())])
+        last, deadline = {}, time.monotonic() + 30
+        while len(last) < 2:
+            waiting = sorted({1, 2} - set(last))
+            assert time.monotonic() < deadline, f"no last reply to request {waiting} in 30 s"
+            if not sock.poll(1000):
+                continue
+            env_raw, body = sock.recv_multipart()
+            env = p.decode_envelope(env_raw)
+            if env.op not in (p.Op.PARTIAL, p.Op.HEARTBEAT):  # (the broker's probes of a quiet client)
+                last[env.request_id] = p.decode_reply(body)
+        return last[1], last[2]
+    finally:
+        sock.close(linger=0)
 
 
 def record(session_id: str, tokens: int) -> SessionRecord:

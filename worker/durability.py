@@ -52,11 +52,17 @@ class Durability:
             raise _no_room(session, exc) from None
         except Fenced as exc:
             log.warning("session_fenced", session=session.session_id, why=str(exc))
+            stale = ProtocolError(
+                ErrorCode.WORKER_LOST, f"this worker's copy of session {session.session_id} is stale: {exc}"
+            )
+            job = self.jobs.get(session.session_id)
+            if job is not None:  # closes waiting on it: the session lives elsewhere now, its record is not ours
+                for route, request_id, _ in job.close_after:
+                    self.error(route, request_id, session.session_id, stale.code, stale.message)
+                job.close_after.clear()
             if session.session_id in self.sessions:
                 self.drop(session)
-            raise ProtocolError(
-                ErrorCode.WORKER_LOST, f"this worker's copy of session {session.session_id} is stale: {exc}"
-            ) from None
+            raise stale from None
 
     def claim(self, session: LiveSession) -> int:
         """A new placement of the session in the store (its epoch)."""
@@ -83,10 +89,7 @@ class Durability:
             self.send(route, Op.FINAL, env.request_id, env.session_id, p.Ack())  # nothing runs on it here
             return None
         if env.op == Op.CLOSE:
-            if not self.store.exists(env.session_id):
-                raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {env.session_id!r}")
-            self.store.delete(env.session_id)
-            self.send(route, Op.FINAL, env.request_id, env.session_id, p.Closed(session_id=env.session_id))
+            self.close_stored(route, env.request_id, env.session_id, body.keep)
             return None
         if env.op == Op.HIBERNATE:
             raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"session {env.session_id!r} is not live here")
@@ -139,6 +142,15 @@ class Durability:
         log.info("session_closed", session=session.session_id, kept=keep)
         for route, request_id, _ in closes:
             self.send(route, Op.FINAL, request_id, session.session_id, p.Closed(session_id=session.session_id))
+
+    def close_stored(self, route: bytes, request_id: int, session_id: str, keep: bool) -> None:
+        """A close of a session that has no slab here: its record deleted
+        (unless `keep`: another worker may hold it)."""
+        if not self.store.exists(session_id):
+            raise ProtocolError(ErrorCode.SESSION_NOT_FOUND, f"no session {session_id!r}")
+        if not keep:
+            self.store.delete(session_id)
+        self.send(route, Op.FINAL, request_id, session_id, p.Closed(session_id=session_id))
 
     def drop(self, session: LiveSession) -> None:
         """Forget a live session and free its slab (its record stays)."""

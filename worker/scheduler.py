@@ -18,7 +18,7 @@ import zmq
 from kvmux import logs
 from kvmux import protocol as p
 from kvmux.protocol import ErrorCode, Op, ProtocolError
-from kvmux.sessions import SessionStore
+from kvmux.sessions import SessionStore, StoreError
 
 from . import control
 from .durability import Durability
@@ -166,7 +166,18 @@ class Scheduler(Requests, Durability):
         if self.prefixes is not None and self.prefixes.writes:
             self.prefixes.flush()  # after the reply: its tokens did not wait for the store
         if job.session.session_id not in self.sessions:
-            return  # dropped on the way: its placement was superseded (save)
+            # Dropped on the way: its placement superseded (save answered
+            # the closes waiting on the job) or no room to save it (the
+            # record stands as it last was: they close that).
+            session_id = job.session.session_id
+            for route, request_id, keep in job.close_after:
+                try:
+                    self.close_stored(route, request_id, session_id, keep)
+                except ProtocolError as exc:
+                    self.error(route, request_id, session_id, exc.code, exc.message)
+                except StoreError as exc:
+                    self.error(route, request_id, session_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
         job.session.last_used = time.monotonic()
         if job.close_after:
             self.close(job.session, job.close_after)
