@@ -66,7 +66,8 @@ def test_hostile_frames_at_both_sockets():
             stats = stack.stats()
             calm = len(stats.workers) == 1 and not stats.workers[0].running and not stats.in_flight
             calm_since = (calm_since or time.monotonic()) if calm else None
-            assert time.monotonic() < deadline, (stats.workers, stats.in_flight)
+            waiting = [(w.worker_id, w.running, w.in_flight) for w in stats.workers], stats.in_flight
+            assert time.monotonic() < deadline, f"not calm in 60 s: {waiting}\n{stack.logs(tail=3000)}"
             time.sleep(0.25)
         assert not stats.draining  # DRAIN was among the frames: forbidden to clients
         assert chat(stack.frontend) == before
