@@ -66,6 +66,7 @@ from .client_frame import ClientFrame
 from .config import BrokerConfig
 from .heap import HeapTrimmer
 from .lifecycle import Lifecycle
+from .liveness import Liveness
 from .metrics import Metrics
 from .models import Models
 from .openings import Openings
@@ -132,11 +133,9 @@ class Broker:
         self.auth = auth.Auth(cfg.curve_secret, cfg.client_keys, cfg.worker_keys, cfg.admin_keys) if cfg.curve else None
         if self.auth is not None:
             self.auth.start(self.ctx)  # before any CURVE socket binds
-        self.frontend = self._router(
-            cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes, liveness_s=cfg.client_liveness_s
-        )
+        self.frontend = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
         self.backend = self._router(cfg.backend_hwm)
-        self.admin = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes, liveness_s=cfg.client_liveness_s)
+        self.admin = self._router(cfg.frontend_hwm, max_msg=4 * cfg.max_frame_bytes)
         self.curve_frontend = self.auth is not None and cfg.frontend.startswith("tcp://")
         if self.curve_frontend:
             self.auth.secure(self.frontend, auth.FRONTEND)
@@ -152,6 +151,7 @@ class Broker:
         self.outbox = Outbox(
             self.frontend, self.admin, self.backend, cfg.client_backlog, self._client_gone, self._overrun
         )
+        self.liveness = Liveness(cfg.client_liveness_s)
         self.started = time.monotonic()
         self.frames_forwarded = 0
         self.drain: _Drain | None = None
@@ -166,7 +166,7 @@ class Broker:
         self.lifecycle = Lifecycle(cfg, self.registry, self.admission, self.store, self, self.metrics)
         self.lifecycle.load(time.monotonic())
 
-    def _router(self, hwm: int, max_msg: int = -1, liveness_s: float = 0.0) -> zmq.Socket:
+    def _router(self, hwm: int, max_msg: int = -1) -> zmq.Socket:
         # Options before bind: set later they do not apply to accepted peers.
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -174,12 +174,7 @@ class Broker:
         sock.setsockopt(zmq.RCVHWM, hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)  # far past max_frame_bytes: cut the peer off
         sock.setsockopt(zmq.LINGER, 1000)
-        if liveness_s:
-            # libzmq PINGs each peer and drops a connection that stays
-            # silent (its host died, its network went): its route goes, so
-            # the next frame to it fails and the client is found gone.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, round(self.cfg.heartbeat_s * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(liveness_s * 1000))
+        # No ZMQ_HEARTBEAT_IVL: libzmq aborts with it under a flood (broker/liveness.py).
         return sock
 
     def bind(self) -> None:
@@ -551,6 +546,13 @@ class Broker:
         decode_body(Op.STATS, frame.body)
         self.reply(frame.route, frame.env, self.stats(frame.now))
 
+    def _heartbeat(self, frame: ClientFrame) -> None:
+        """A client's heartbeat: its answer to ours, or its first frame
+        (saying it answers them). Never answered."""
+        if frame.body != _EMPTY_MAP:
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, "a heartbeat's body is an empty map")
+        self.liveness.heard(frame.route)
+
     def _ping(self, frame: ClientFrame) -> None:
         decode_body(Op.PING, frame.body)
         self.reply(frame.route, frame.env, Pong(time=time.time()))
@@ -600,6 +602,7 @@ class Broker:
         Op.CLOSE: forward,
         Op.STATS: _stats,
         Op.PING: _ping,
+        Op.HEARTBEAT: _heartbeat,
         Op.DRAIN: _drain_op,
         Op.RESUME: _resume,
         Op.SESSIONS: _list_sessions,
@@ -842,6 +845,7 @@ class Broker:
         generations and drop its queued requests and backlog. Its sessions
         stay, resumable by id (an idle one pins no slab: it hibernates when
         the slab is needed)."""
+        self.liveness.forget(route)
         dropped = self.admission.remove(route)
         cancelled = 0
         for req in [r for r in self.registry.requests.values() if r.route == route and not r.orphaned]:
@@ -856,7 +860,8 @@ class Broker:
         requests send it nothing (a stream paused on its credit, a long
         prefill, a queued open) would never be found, and its stream would
         hold the session and its slab for good: a heartbeat to each such
-        client, every interval, finds it (clients ignore heartbeats)."""
+        client, every interval, finds it; one that answers heartbeats and
+        leaves them unanswered is gone too (broker/liveness.py)."""
         quiet_for = self.cfg.heartbeat_s
         routes = {
             r.route
@@ -864,7 +869,12 @@ class Broker:
             if r.route and not r.orphaned and now - max(r.started, r.last_sent) >= quiet_for
         }
         routes.update(q.route for q in self.admission.queue if now - q.enqueued >= quiet_for)
-        for route in routes:
+        silent = self.liveness.asking(routes, now)
+        for route in silent:  # its connection open, nobody behind it (broker/liveness.py)
+            log.info("client_silent", client=route.hex(), seconds=self.cfg.client_liveness_s)
+            self.outbox.forget(route)
+            self._client_gone(route)
+        for route in routes.difference(silent):
             self.outbox.probe(route, [envelope(Op.HEARTBEAT), _EMPTY_MAP])
 
     # --------------------------------------------------------------- sends

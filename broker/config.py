@@ -137,8 +137,9 @@ class BrokerConfig(WorkerSettings, kw_only=True, forbid_unknown_fields=True):
     client_liveness_s: Annotated[
         NonNegative,
         doc(
-            "A client connection that answers none of ZeroMQ's heartbeats (sent every heartbeat_s) for this long is"
-            " dropped, and its streams cancelled: a client whose host or network died; 0: never."
+            "A client that answers heartbeats (kvmux's clients do) and leaves the broker's (sent each heartbeat_s"
+            " while its requests are quiet) unanswered this long is gone: its streams are cancelled (a client whose"
+            " host, network or process died with its connection open); 0: never."
         ),
     ] = 30.0
     max_frame_bytes: Annotated[

@@ -3,8 +3,8 @@ its client hears `session expired`; a client that vanishes mid-stream has
 its generation cancelled on the worker, and its session stays resumable,
 even when the stream was paused on its credit (found by the broker's
 heartbeats, which a live client's paused stream outlasts), and when its
-process stopped answering (a host or network gone: ZeroMQ's own heartbeats
-drop its connection)."""
+process stopped answering the broker's heartbeats (a host or network gone);
+and clients that flood the broker and leave do not take it down."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import textwrap
 import time
 
 import pytest
+import zmq
 from conftest import stacks_at_once
 from test_broker_frames import Raw
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.stack  # each test starts processes of its own (the who
 
 IDLE_S = 1.0
 CLIENT_LIVENESS_S = 2.0
+HEARTBEAT_S = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,15 @@ def stacks():
     """One with the idle timeout, one without (a session there must stay), started at once."""
     with stacks_at_once(
         idle={"slabs": 2, "broker_args": ["--idle-timeout-s", str(IDLE_S)]},
-        plain={"slabs": 2, "broker_args": ["--client-liveness-s", str(CLIENT_LIVENESS_S)]},
+        # Ten heartbeats a second: where the broker's sockets had ZeroMQ's own
+        # heartbeats, flooding and leaving aborted it within 30 rounds so.
+        plain={
+            "slabs": 2,
+            "broker_args": [
+                *("--client-liveness-s", str(CLIENT_LIVENESS_S)),
+                *("--heartbeat-s", str(HEARTBEAT_S), "--heartbeat-liveness", "30"),
+            ],
+        },
     ) as stacks:
         yield stacks
 
@@ -117,9 +127,10 @@ def test_a_client_vanishing_while_its_stream_waits_on_credit_is_found(stacks):
 
 
 def test_a_client_that_stops_answering_is_dropped_and_its_stream_cancelled(stacks):
-    """A client stopped mid-stream (SIGSTOP: its connection stays open, as a
-    dead host's or a cut network's can) answers none of ZeroMQ's heartbeats:
-    after --client-liveness-s its connection is dropped, its paused stream
+    """A client paused on its credit longer than --client-liveness-s keeps
+    its stream while it answers the broker's heartbeats. Stopped (SIGSTOP:
+    its connection stays open, as a dead host's or a cut network's can), it
+    answers none: after --client-liveness-s it is gone, its paused stream
     cancelled and its session freed, resumable by id."""
     stack = stacks["plain"]
     script = textwrap.dedent(f"""
@@ -135,6 +146,8 @@ def test_a_client_that_stops_answering_is_dropped_and_its_stream_cancelled(stack
     try:
         session_id = child.stdout.readline().strip()
         assert len(session_id) == 32, session_id
+        time.sleep(CLIENT_LIVENESS_S * 2)
+        assert stack.stats().in_flight == 1  # quiet, answering: there
         child.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         while (stats := stack.stats()).in_flight:
@@ -149,3 +162,22 @@ def test_a_client_that_stops_answering_is_dropped_and_its_stream_cancelled(stack
         info = resumed.info()
         assert info.history_tokens > 0 and not info.busy
         resumed.close()
+
+
+def test_clients_that_flood_the_broker_and_leave_do_not_take_it_down(stacks):
+    """Each round a client sends far past the broker's high-water mark, so
+    its queue there is full, and disconnects: the broker serves on."""
+    stack = stacks["plain"]
+    ping = [p.envelope(Op.PING, 1), p.encode(p.Ping())]
+    for _ in range(30):
+        flood = zmq.Context.instance().socket(zmq.DEALER)
+        flood.setsockopt(zmq.SNDHWM, 0)
+        flood.connect(stack.frontend)
+        for _ in range(20000):
+            flood.send_multipart(ping)
+        time.sleep(0.02)  # on the wire, up to the broker's mark
+        flood.close(linger=0)
+        time.sleep(2 * HEARTBEAT_S)
+        assert stack.broker.poll() is None, stack.logs()
+    with Client(stack.frontend, timeout=30) as client:
+        assert client.ping() and client.stats().workers

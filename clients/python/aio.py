@@ -9,6 +9,7 @@ iterates a stream, or breaking out of `async for`, cancels the generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -229,6 +230,7 @@ class AsyncClient(core.ClientCore):
         if self._loop is None:  # the first request, from a coroutine
             self._loop = asyncio.get_running_loop()
             self._receiver = self._loop.create_task(self._receive())
+            self._loop.call_soon(self._socket.send_multipart, wire.HEARTBEAT)  # we answer heartbeats
         try:
             self._loop.call_soon_threadsafe(self._socket.send_multipart, frames)
         except RuntimeError:  # the loop is closed (a late finalizer)
@@ -236,4 +238,6 @@ class AsyncClient(core.ClientCore):
 
     async def _receive(self) -> None:
         while True:
-            self._calls.deliver(await self._socket.recv_multipart())
+            if self._calls.deliver(await self._socket.recv_multipart()):
+                with contextlib.suppress(zmq.Again):  # a full pipe: the broker is not reading us either
+                    await self._socket.send_multipart(wire.HEARTBEAT, flags=zmq.NOBLOCK)

@@ -34,20 +34,24 @@ class Calls:
         """Forget a request (answered, timed out or unsendable); its queue or None."""
         return self._queues.pop(rid, None)
 
-    def deliver(self, frames: list[bytes]) -> None:
+    def deliver(self, frames: list[bytes]) -> bool:
         """Put a reply on its request's queue: a PARTIAL keeps the request,
         the last reply (FINAL or ERROR) forgets it. Unreadable replies, and
-        replies to forgotten requests, are dropped."""
+        replies to forgotten requests, are dropped. True for the broker's
+        heartbeat: the shell answers it with wire.HEARTBEAT."""
         self.heard = True
         reply = wire.parse(frames)
+        if reply is wire.PROBE:
+            return True
         if reply is None:
-            return
+            return False
         rid = reply.request_id
         replies = self._queues.pop(rid, None) if reply.last else self._queues.get(rid)
         if replies is None:
             wire.log.debug("reply to unknown request %d dropped (timed out or cancelled)", rid)
         else:
             replies.put_nowait(reply)
+        return False
 
 
 class Wait(NamedTuple):

@@ -10,6 +10,7 @@ one thread at a time.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import threading
@@ -168,6 +169,7 @@ class Client(core.ClientCore):
         self._connect(self._socket)
         self._thread = threading.Thread(target=self._io, name="kvmux-client-io", daemon=True)
         self._thread.start()
+        self._post(wire.HEARTBEAT)  # we answer heartbeats (see wire.HEARTBEAT)
 
     # ------------------------------------------------------------ public API
 
@@ -300,4 +302,6 @@ class Client(core.ClientCore):
                 frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._calls.deliver(frames)
+            if self._calls.deliver(frames):
+                with contextlib.suppress(zmq.Again):  # a full pipe: the broker is not reading us either
+                    self._socket.send_multipart(wire.HEARTBEAT, flags=zmq.NOBLOCK)

@@ -24,6 +24,12 @@ DEFAULT_CREDIT = 32
 
 MessagesLike = Iterable["p.ChatMessage | dict[str, str] | tuple[str, str]"]
 
+# Our heartbeat: the answer to each of the broker's (its probes whether we
+# are still here), and our first frame, saying that we answer them
+# (broker/liveness.py). A client that stops answering is judged gone.
+HEARTBEAT = [p.envelope(p.Op.HEARTBEAT), p.encode({})]
+PROBE = object()  # what `parse` makes of the broker's heartbeat
+
 
 def typed(struct: type[msgspec.Struct], options: dict[str, Any]) -> dict[str, Any]:
     """Options as `struct`'s fields take them: dicts become the Structs they
@@ -95,9 +101,9 @@ class Reply(NamedTuple):
         return self.op != p.Op.PARTIAL
 
 
-def parse(frames: list[bytes]) -> Reply | None:
-    """A reply, or None: for the broker's heartbeats (its probes whether we
-    are still here), and (logged) when not even the envelope decodes."""
+def parse(frames: list[bytes]) -> Reply | object | None:
+    """A reply; PROBE for the broker's heartbeat; None (logged) when not
+    even the envelope decodes."""
     if len(frames) != 2:
         log.warning("dropping reply with %d frames", len(frames))
         return None
@@ -107,7 +113,7 @@ def parse(frames: list[bytes]) -> Reply | None:
         log.warning("dropping reply: %s", exc.message)
         return None
     if env.op == p.Op.HEARTBEAT:
-        return None
+        return PROBE
     try:
         body: p.ReplyBody | errors.KvmuxError = p.decode_reply(frames[1])
     except p.ProtocolError as exc:

@@ -165,6 +165,7 @@ export class Client {
     this.socket = new Dealer({ linger: 0, sendTimeout: this.timeoutMs, immediate: endpoints.length > 1, ...keys });
     for (const endpoint of endpoints) this.socket.connect(endpoint);
     this.reader = this.read();
+    this.heartbeat(); // we answer the broker's heartbeats: it may judge us by our silence
   }
 
   async openSession(options: OpenOptions = {}): Promise<Session> {
@@ -249,6 +250,12 @@ export class Client {
     this.sessions.delete(session);
   }
 
+  /** Our heartbeat: the answer to each of the broker's (its probes whether
+   * we are still here), and our first frame, saying that we answer them. */
+  private heartbeat(): void {
+    this.post([envelope(Op.HEARTBEAT, 0), encodeStruct("Ping", {})]).catch(() => undefined);
+  }
+
   private post(frames: Uint8Array[]): Promise<unknown> {
     const sent = this.sending.then(() => this.socket.send(frames));
     this.sending = sent.catch(() => undefined);
@@ -324,7 +331,7 @@ export class Client {
     } catch {
       return; // not even an envelope: nobody to tell
     }
-    if (op === Op.HEARTBEAT) return; // the broker's probe whether we are still here
+    if (op === Op.HEARTBEAT) return this.heartbeat(); // the broker's probe whether we are still here
     const queue = this.calls.get(requestId);
     if (!queue) return; // timed out or cancelled meanwhile
     if (op !== Op.PARTIAL) this.calls.delete(requestId);
