@@ -708,10 +708,14 @@ class Broker:
             return
         worker = self.registry.add_worker(identity, ready, now)
         self.models.registered(ready.model, now)
+        # A send below may find it unreachable (it left after its READY): then
+        # it is lost, and holds nothing more of ours.
         for session_id in ready.sessions:
-            self.lifecycle.adopt(worker, session_id, now)
+            if self.registry.holds(worker):
+                self.lifecycle.adopt(worker, session_id, now)
         for head in ready.stored:
-            self.lifecycle.adopt_stored(worker, head, now)
+            if self.registry.holds(worker):
+                self.lifecycle.adopt_stored(worker, head, now)
         self.lifecycle.clean_stranded(worker)
         log.info(
             "worker_ready",
@@ -809,7 +813,7 @@ class Broker:
         reads its store (ours, another worker's, or its own when it is
         `returning`: registering anew); otherwise they are lost with it and
         their records, on its host, deleted when it comes back."""
-        if self.registry.workers.get(worker.identity) is not worker:
+        if not self.registry.holds(worker):
             return
         store = worker.ready.store
         shared = store == self.store.store_id or any(
@@ -821,7 +825,12 @@ class Broker:
         lost = self.registry.remove_worker(worker, why, stored=shared or returning)
         self.metrics.workers_lost.labels(worker.ready.model).inc()
         log.warning("worker_lost", worker=worker.worker_id, why=why, requests=len(lost), sessions=len(sessions))
-        for req in lost:
+        self._tell_lost(worker, lost, why)
+        for session in sessions:
+            self.lifecycle.release(session)
+
+    def _tell_lost(self, worker: WorkerEntry, failed: list[Request], why: str) -> None:
+        for req in failed:
             if req.route and not req.orphaned:
                 self.error(
                     req.route,
@@ -830,8 +839,6 @@ class Broker:
                     ErrorCode.WORKER_LOST,
                     f"worker {worker.worker_id} lost ({why})",
                 )
-        for session in sessions:
-            self.lifecycle.release(session)
 
     # ------------------------------------------------- the broker's requests
 
@@ -880,6 +887,11 @@ class Broker:
     # --------------------------------------------------------------- sends
 
     def to_worker(self, worker: WorkerEntry, route: bytes, env_raw: bytes, body: bytes) -> None:
+        if not self.registry.holds(worker):
+            # Forgotten while this was on its way to it (lost as it
+            # registered, say): nothing goes to it, and the request fails
+            # as its others did, rather than wait on it for ever.
+            return self._tell_lost(worker, self.registry.fail_requests(worker), "gone")
         sent = self.outbox.to_worker(worker.identity, route, env_raw, body)
         if sent is Sent.UNREACHABLE:
             self._lose_worker(worker, "unreachable")

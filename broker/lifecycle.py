@@ -207,7 +207,11 @@ class Lifecycle:
     def clean_stranded(self, worker: WorkerEntry) -> None:
         """A worker reading a store whose sessions were lost registered: they
         were reported lost, so their records there go."""
-        for session_id in sorted(self.stranded.pop(worker.ready.store, ())):
+        stranded = sorted(self.stranded.pop(worker.ready.store, ()))
+        for n, session_id in enumerate(stranded):
+            if not self.registry.holds(worker):  # lost on the way (unreachable): the rest wait for the next
+                self.strand(worker.ready.store, stranded[n:])
+                return
             log.info("stranded_session_deleted", session=session_id, worker=worker.worker_id)
             self.sends.own_request(worker, Op.CLOSE, session_id, Close())
 

@@ -163,15 +163,24 @@ class Registry:
         self.workers[identity] = worker
         return worker
 
+    def holds(self, worker: WorkerEntry) -> bool:
+        """Whether `worker` is registered (not forgotten, not replaced by its re-registering)."""
+        return self.workers.get(worker.identity) is worker
+
+    def fail_requests(self, worker: WorkerEntry) -> list[Request]:
+        """Its requests in flight, now failed."""
+        failed = [req for req in self.requests.values() if req.worker is worker]
+        for req in failed:
+            self.finish(req)
+        return failed
+
     def remove_worker(self, worker: WorkerEntry, why: str, stored: bool) -> list[Request]:
         """Forget `worker`; return its requests in flight (now failed). Its
         sessions hibernate when their records are in a store another
         process reads (`stored`); otherwise they are lost with it, as are
         the sessions hibernated in its store, and told so (`worker_lost`)."""
         self.workers.pop(worker.identity, None)
-        lost = [req for req in self.requests.values() if req.worker is worker]
-        for req in lost:
-            self.finish(req)
+        lost = self.fail_requests(worker)
         for session_id in list(worker.sessions):
             session = self.sessions[session_id]
             if stored:
