@@ -24,6 +24,9 @@ _MEMORY = 65536  # clients remembered as answering, the least recently heard for
 
 
 class Liveness:
+    """The clients that answer heartbeats, and how long each asked one has
+    left them unanswered. Nothing here touches a socket."""
+
     def __init__(self, silent_after_s: float) -> None:
         self.silent_after_s = silent_after_s  # 0: never judge by silence
         self.answering: OrderedDict[bytes, None] = OrderedDict()  # routes that answer heartbeats
