@@ -291,6 +291,35 @@ void score_slots(const L (*q)[DC], const uint16_t* keys, const float* mask, int 
 // chain for odd slots spilled AVX2's 16 registers).
 template <class L, int DC, int N>
 void weigh_values(const float* w, size_t stride, const uint16_t* values, int n, float* o) {
+  if constexpr (!L::ONE_REGISTER && DC > 1) {
+    // AVX2 (a vector two of its 16 registers): the sums of N heads by DC
+    // chunks are 2 * N * DC registers (24 at head size 64), and GCC kept
+    // all but two on the stack, a load and a store in each sum's chain
+    // every slot. One chunk's sums at a time instead, over VALUE_BLOCK
+    // slots that stay in L1 for the other chunks: the same sums in the
+    // same order.
+    constexpr int VALUE_BLOCK = 64;
+    L keep[N][DC];
+    for (int b = 0; b < N; ++b)
+      for (int c = 0; c < DC; ++c) keep[b][c] = L::splat(0.0f);
+    for (int j0 = 0; j0 < n; j0 += VALUE_BLOCK) {
+      const int j1 = n - j0 < VALUE_BLOCK ? n : j0 + VALUE_BLOCK;
+      for (int c = 0; c < DC; ++c) {
+        L acc[N];
+        for (int b = 0; b < N; ++b) acc[b] = keep[b][c];
+        for (int j = j0; j < j1; ++j) {
+          if (c == 0 && j % 16 == 0) ahead(values, j, n, DC * 16);
+          const L vc = L::halves(values + size_t(j) * DC * 16 + 16 * c);
+#pragma GCC unroll 4
+          for (int b = 0; b < N; ++b) acc[b] = fma(L::splat(w[size_t(b) * stride + j]), vc, acc[b]);
+        }
+        for (int b = 0; b < N; ++b) keep[b][c] = acc[b];
+      }
+    }
+    for (int b = 0; b < N; ++b)
+      for (int c = 0; c < DC; ++c) keep[b][c].store(o + size_t(b) * (DC * 16 + 2) + 16 * c);
+    return;
+  }
   L acc[N][DC];
   for (int b = 0; b < N; ++b)
     for (int c = 0; c < DC; ++c) acc[b][c] = L::splat(0.0f);
