@@ -101,12 +101,9 @@ struct Halves {
     return {W::fma8(a.lo, b.lo, c.lo), W::fma8(a.hi, b.hi, c.hi)};
   }
   v8 folded() const { return lo + hi; }
-  // Wide's folds, on each half of 8 lanes (the first: a's halves, b's):
-  // vperm2f128 and vshufps on AVX2.
-  static Halves fold8(const Halves& a, const Halves& b) { return {a.lo + a.hi, b.lo + b.hi}; }
-  static Halves fold4(const Halves& a, const Halves& b) { return {f4(a.lo, b.lo), f4(a.hi, b.hi)}; }
-  static Halves fold2(const Halves& a, const Halves& b) { return {f2(a.lo, b.lo), f2(a.hi, b.hi)}; }
-  static Halves fold1(const Halves& a, const Halves& b) { return {f1(a.lo, b.lo), f1(a.hi, b.hi)}; }
+  // Lanes l of x and l + 4 (then + 2, + 1) added, x's four sums then y's
+  // in each 128-bit half (score_halves): vperm2f128 or vshufps, and an
+  // add, on AVX2.
   static v8 f4(v8 x, v8 y) {
     return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
   }
@@ -245,12 +242,74 @@ constexpr int batch_of() {
   return sizeof(L) == 64 && DC <= 4 ? 3 : 1;
 }
 
-// The scores of N query heads (q: N x DC chunks of 16) against the keys
-// of slots [0, n), into s[b * stride + j] (masked: -inf), 16 slots at a
-// time: per slot, lane l of each chunk's products (fused) summed over
-// the chunks, then the lanes by sums16.
+// score_slots where a 16-lane vector is two registers (AVX2's, the
+// portable kernel's): sums16's folds keep each partial sum in two
+// registers, and three heads' needed ~26 of AVX2's 16 (GCC kept most on
+// the stack). The same sums 8 slots at a time: each slot's halves added
+// at once (tree16's l + 8), then 8 slots' lanes folded by f4, f2, f1 (l +
+// 4, + 2, + 1) in an order that leaves slot j + i in lane i, one
+// register a partial sum: a full window's attention ~15 % faster alone
+// (docs/design.md).
+template <int DC, int N>
+void score_halves(const Halves (*q)[DC], const uint16_t* keys, const float* mask, int n, float* s, size_t stride) {
+  for (int j = 0; j < n; j += 8) {
+    if (j % 16 == 0) ahead(keys, j, n, DC * 16);
+    // Slot j + i's lanes (0 past n), its halves added, for each head.
+    auto lanes_of = [&](int i, v8 (&out)[N]) {
+      const int slot = j + i;
+      if (slot >= n) {
+        for (int b = 0; b < N; ++b) out[b] = v8{};
+        return;
+      }
+      const uint16_t* k = keys + size_t(slot) * DC * 16;
+      Halves r[N];
+      for (int c = 0; c < DC; ++c) {
+        const Halves kc = Halves::halves(k + 16 * c);
+        for (int b = 0; b < N; ++b) r[b] = c ? fma(q[b][c], kc, r[b]) : q[b][0] * kc;
+      }
+      for (int b = 0; b < N; ++b) out[b] = r[b].folded();
+    };
+    // f1(f2(f4(0, 4), f4(1, 5)), f2(f4(2, 6), f4(3, 7))).
+    v8 sums[2][N];
+    for (int h = 0; h < 2; ++h) {
+      v8 pairs[2][N], first[N], second[N];
+      for (int p = 0; p < 2; ++p) {
+        lanes_of(2 * h + p, first);
+        lanes_of(2 * h + p + 4, second);
+        for (int b = 0; b < N; ++b) pairs[p][b] = Halves::f4(first[b], second[b]);
+      }
+      for (int b = 0; b < N; ++b) sums[h][b] = Halves::f2(pairs[0][b], pairs[1][b]);
+    }
+    const int m = n - j < 8 ? n - j : 8;
+    for (int b = 0; b < N; ++b) {
+      v8 out = Halves::f1(sums[0][b], sums[1][b]);
+      float* sj = s + size_t(b) * stride + j;
+      if (mask) {
+        v8 mj;
+        if (m == 8) {
+          std::memcpy(&mj, mask + j, sizeof mj);
+        } else {
+          float lanes[8] = {};
+          std::memcpy(lanes, mask + j, sizeof(float) * m);
+          std::memcpy(&mj, lanes, sizeof mj);
+        }
+        out = mj == -__builtin_inff() ? mj : out + mj;
+      }
+      if (m == 8) {
+        std::memcpy(sj, &out, sizeof out);
+      } else {
+        float lanes[8];
+        std::memcpy(lanes, &out, sizeof lanes);
+        std::memcpy(sj, lanes, sizeof(float) * m);
+      }
+    }
+  }
+}
+
+// score_slots where a vector is one register (AVX-512's), 16 slots at a
+// time by sums16.
 template <class L, int DC, int N>
-void score_slots(const L (*q)[DC], const uint16_t* keys, const float* mask, int n, float* s, size_t stride) {
+void score_wide(const L (*q)[DC], const uint16_t* keys, const float* mask, int n, float* s, size_t stride) {
   for (int j = 0; j < n; j += 16) {
     ahead(keys, j, n, DC * 16);
     const Many<L, N> sums = sums16<Many<L, N>>([&](int i) {
@@ -283,6 +342,18 @@ void score_slots(const L (*q)[DC], const uint16_t* keys, const float* mask, int 
       for (int l = 0; l < m; ++l) sj[l] = !mj ? lanes[l] : mj[l] == -__builtin_inff() ? mj[l] : lanes[l] + mj[l];
     }
   }
+}
+
+// The scores of N query heads (q: N x DC chunks of 16) against the keys
+// of slots [0, n), into s[b * stride + j] (masked: -inf): per slot, lane
+// l of each chunk's products (fused) summed over the chunks, then the
+// lanes in tree16's order.
+template <class L, int DC, int N>
+void score_slots(const L (*q)[DC], const uint16_t* keys, const float* mask, int n, float* s, size_t stride) {
+  if constexpr (L::ONE_REGISTER)
+    score_wide<L, DC, N>(q, keys, mask, n, s, stride);
+  else
+    score_halves<DC, N>(q, keys, mask, n, s, stride);
 }
 
 // Σ_j w[b * stride + j] * values[j] over slots [0, n) for N query heads,
@@ -350,9 +421,9 @@ template <class L>
 float weigh(float* s, int n, float& top) {
   const int whole = n / 16 * 16;
   float tops[16], lanes[16] = {};
-  for (int l = 0; l < 16; ++l) tops[l] = -__builtin_inff();
-  for (int j = 0; j < whole; j += 16)
-    for (int l = 0; l < 16; ++l) tops[l] = s[j + l] > tops[l] ? s[j + l] : tops[l];
+  L most = L::splat(-__builtin_inff());  // lane l: tops[l] (a lanes array here, the compiler took it a lane at a time)
+  for (int j = 0; j < whole; j += 16) most = L::max(most, L::load(s + j));
+  most.store(tops);
   for (int j = whole; j < n; ++j) tops[j - whole] = s[j] > tops[j - whole] ? s[j] : tops[j - whole];
   top = tops[0];
   for (int l = 1; l < 16; ++l) top = tops[l] > top ? tops[l] : top;
