@@ -117,7 +117,8 @@ struct Halves {
 
 // 8 lanes as one vector: AVX2's register, for a prefill chunk's queries
 // (attend_chunk), where an item of 8 rows' 24 queries fill 3 of them and
-// would take 32 lanes of 16-lane vectors.
+// would take 32 lanes of 16-lane vectors, and for weigh_values' sums
+// where a 16-lane vector is two registers.
 struct Narrow {
   static constexpr bool ONE_REGISTER = true;  // one of AVX2's 16
   static constexpr int LANES = 8;
@@ -366,29 +367,37 @@ void weigh_values(const float* w, size_t stride, const uint16_t* values, int n, 
     // AVX2 (a vector two of its 16 registers): the sums of N heads by DC
     // chunks are 2 * N * DC registers (24 at head size 64), and GCC kept
     // all but two on the stack, a load and a store in each sum's chain
-    // every slot. One chunk's sums at a time instead, over VALUE_BLOCK
-    // slots that stay in L1 for the other chunks: the same sums in the
-    // same order.
-    constexpr int VALUE_BLOCK = 64;
-    L keep[N][DC];
+    // every slot. A few of the head's 8-lane eighths at a time instead
+    // (GROUP: 9 sums at N = 3, enough chains to keep both multiply-add
+    // units busy through each one's latency), over VALUE_BLOCK slots that
+    // stay in L1 for the next eighths: the same sums in the same order.
+    constexpr int VALUE_BLOCK = 64, E = 2 * DC, GROUP = std::max(1, std::min(E, 9 / N));
+    Narrow keep[N][E];
     for (int b = 0; b < N; ++b)
-      for (int c = 0; c < DC; ++c) keep[b][c] = L::splat(0.0f);
+      for (int e = 0; e < E; ++e) keep[b][e] = Narrow::splat(0.0f);
     for (int j0 = 0; j0 < n; j0 += VALUE_BLOCK) {
       const int j1 = n - j0 < VALUE_BLOCK ? n : j0 + VALUE_BLOCK;
-      for (int c = 0; c < DC; ++c) {
-        L acc[N];
-        for (int b = 0; b < N; ++b) acc[b] = keep[b][c];
+#pragma GCC unroll 16
+      for (int e0 = 0; e0 < E; e0 += GROUP) {
+        Narrow acc[N][GROUP];
+        for (int b = 0; b < N; ++b)
+          for (int g = 0; g < GROUP && e0 + g < E; ++g) acc[b][g] = keep[b][e0 + g];
         for (int j = j0; j < j1; ++j) {
-          if (c == 0 && j % 16 == 0) ahead(values, j, n, DC * 16);
-          const L vc = L::halves(values + size_t(j) * DC * 16 + 16 * c);
-#pragma GCC unroll 4
-          for (int b = 0; b < N; ++b) acc[b] = fma(L::splat(w[size_t(b) * stride + j]), vc, acc[b]);
+          if (e0 == 0 && j % 16 == 0) ahead(values, j, n, DC * 16);
+          const uint16_t* v = values + size_t(j) * DC * 16;
+          for (int g = 0; g < GROUP && e0 + g < E; ++g) {
+            const int e = e0 + g;
+            const Halves chunk = Halves::halves(v + 16 * (e / 2));
+            const Narrow vc{e % 2 ? chunk.hi : chunk.lo};
+            for (int b = 0; b < N; ++b) acc[b][g] = fma(Narrow::splat(w[size_t(b) * stride + j]), vc, acc[b][g]);
+          }
         }
-        for (int b = 0; b < N; ++b) keep[b][c] = acc[b];
+        for (int b = 0; b < N; ++b)
+          for (int g = 0; g < GROUP && e0 + g < E; ++g) keep[b][e0 + g] = acc[b][g];
       }
     }
     for (int b = 0; b < N; ++b)
-      for (int c = 0; c < DC; ++c) keep[b][c].store(o + size_t(b) * (DC * 16 + 2) + 16 * c);
+      for (int e = 0; e < E; ++e) keep[b][e].store(o + size_t(b) * (DC * 16 + 2) + 8 * e);
     return;
   }
   L acc[N][DC];
