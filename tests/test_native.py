@@ -50,21 +50,23 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
         assert err < TOLERANCE, f"{rows} rows: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits):
-    codes, s, b = quantized(202, 576, bits, 32, seed=bits)  # a last block of 2 weight rows where a block is 4
-    x = mx.random.normal((300, 576), key=mx.random.key(7))
+# K 576 (gate_proj's) and 1,536 (down_proj's: AVX2's halves take 3 to 8
+# rows of it in blocks of K, a group's sums carried from one to the next).
+@pytest.mark.parametrize(("bits", "k", "group"), [(4, 576, 32), (8, 576, 32), (4, 1536, 128), (8, 1536, 64)])
+def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group):
+    codes, s, b = quantized(202, k, bits, group, seed=bits)  # a last block of 2 weight rows where a block is 4
+    x = mx.random.normal((300, k), key=mx.random.key(7))
     whole = {}
     try:
         for isa in native.isas():
             native.set_isa(isa)
-            whole[isa] = native.qmatmul(x, codes, s, b, 32, bits)
+            whole[isa] = native.qmatmul(x, codes, s, b, group, bits)
             for at in (0, 1, 2, 3, 5, 16, 63, 64, 150, 299):  # the direct path's tiles, the scratch path's, chunk edges
                 # one row's own path; on AVX-512 3 and 12 rows in passes of up to 6 (12: 6 + 6), 8, 9 and 17
-                # in passes of up to 9 (17: 9 + 8); on AVX2 2 to 4 in passes of 2 (3: 2 + 1), 8 rows and more
-                # through the scratch, as 33 everywhere
-                for rows in (1, 2, 3, 4, 8, 9, 12, 17, 33):
-                    part = native.qmatmul(x[at : at + rows], codes, s, b, 32, bits)
+                # in passes of up to 9 (17: 9 + 8); on AVX2 2 rows in a pass of 2, 3 to 8 in a pass of
+                # halves, 9 rows and more through the scratch, as 33 everywhere
+                for rows in (1, 2, 3, 4, 5, 8, 9, 12, 17, 33):
+                    part = native.qmatmul(x[at : at + rows], codes, s, b, group, bits)
                     assert mx.array_equal(part, whole[isa][at : at + rows]).item(), f"{isa}: rows {at}+{rows}"
     finally:
         native.set_isa(native.isas()[0])

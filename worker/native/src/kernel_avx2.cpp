@@ -38,6 +38,8 @@ struct V {
   // 3 or 4 rows of x spilled sums to the stack and ran ~1.5x longer.
   static constexpr int IN_FLIGHT = 2, CHUNK = 2;
   static constexpr int WIDE_IN_FLIGHT = 2, WIDE_CHUNK = 2;  // no other shape for more rows
+  // From 3 rows of x up to DIRECT_AVX2, block.h's halves (4- and 8-bit codes).
+  static constexpr int HALVES_FROM = 3;
   // One row of x (a decode step): four weight rows, their sums 8
   // registers (kernels.h).
   static constexpr int ONE_ROW_IN_FLIGHT = 4;
@@ -70,17 +72,24 @@ struct V {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // i + (i + 2)
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
   }
+  // block.h's halves: 8 lanes of codes4's (from p + 8h for lanes 8h..)
+  // and codes8's.
+  static void codes4_part(const uint8_t* p, part& even, part& odd) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    even = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+    odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  static part codes8_part(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static void codes4(const uint8_t* p, vec& even, vec& odd) {
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-    const __m256i nibble = _mm256_set1_epi32(0x0F);
-    even = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble))};
-    odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+    codes4_part(p, even.lo, odd.lo);
+    codes4_part(p + 8, even.hi, odd.hi);
   }
-  static vec codes8(const uint8_t* p) {
-    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
-  }
+  static vec codes8(const uint8_t* p) { return {codes8_part(p), codes8_part(p + 8)}; }
+  static part set1_part(float f) { return _mm256_set1_ps(f); }
+  static part loadu_part(const float* p) { return _mm256_loadu_ps(p); }  // folded into the multiply-add that uses it
+  static void store_part(float* p, part v) { _mm256_storeu_ps(p, v); }
 };
 
 #include "block.h"

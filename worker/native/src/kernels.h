@@ -155,11 +155,14 @@ BlockFn block_avx512();
 // row, whose two chains of multiply-adds bound the loop, and whose row
 // of 576 weights paid its set-up for 18 groups), and a block of weight
 // rows meets every row of x in turn while its codes are in L1, so its
-// bytes are read once (block.h's direct).
+// bytes are read once (block.h's direct). On AVX2 3 to 8 rows go one
+// 8-lane half of the vector at a time (block.h's halves: each weight
+// made once for up to 8 rows of x, 8 sums in 8 registers), 2 rows by
+// direct's 2 by 2.
 // On AVX-512 a verify pass (up to 17 rows) and 32 sessions' step stay
 // direct: 49.9 against 37.8 GMAC/s for 17 rows through the scratch (one
 // thread, a 64 x 1536 block in L2, Intel Xeon with AVX-512).
-constexpr int DIRECT_AVX512 = 32, DIRECT_AVX2 = 4, DIRECT_SCALAR = 1;
+constexpr int DIRECT_AVX512 = 32, DIRECT_AVX2 = 8, DIRECT_SCALAR = 1;
 
 // Weight rows of a tile of the scratch path (block.h's tile, NB): a
 // thread's item there is a whole number of tiles (qmm.cpp's items_of), so
