@@ -572,7 +572,9 @@ void block_bits(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, 
   }
 }
 
-template <class V, int DIRECT, int NB, int MB>
+// DIRECT: rows of x straight from 4- and 8-bit codes; ANY_WIDTH: from
+// codes of other widths (kernels.h).
+template <class V, int DIRECT, int ANY_WIDTH, int NB, int MB>
 void block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   switch (p.bits) {
     case 4:
@@ -580,13 +582,13 @@ void block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float
     case 8:
       return block_bits<V, 8, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     case 2:
-      return block_bits<V, 2, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 2, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
     case 3:
-      return block_bits<V, 3, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 3, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
     case 5:
-      return block_bits<V, 5, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 5, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
     default:
-      return block_bits<V, 6, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 6, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
   }
 }
 
