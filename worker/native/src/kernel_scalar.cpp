@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
