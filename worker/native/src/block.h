@@ -338,29 +338,41 @@ inline void direct_pass(int take, const kvmux_native::Problem& p, const uint8_t*
 // packed by pack_pass) stay in L1 while HALF_WEIGHT_ROWS weight rows
 // pass them.
 constexpr int HALF_ROWS = 8, HALF_WEIGHT_ROWS = 8, XBLOCK = 20 << 10;
+// Up to PAIR_ROWS rows of x take two weight rows at a time: one weight
+// row's 3 or 4 sums were too few chains of multiply-adds for the units'
+// latency (3 rows 43-48 against 34-36 GMAC/s, 4 rows 49-51 against 42-45,
+// the same shapes and threads).
+constexpr int PAIR_ROWS = 4;
 
-template <class V, int BITS, int STEPS, int MB>
-inline void half_rows(const uint8_t* row, const float* scale, const float* bias, const float* xp, int k0, int k1,
-                      int h, typename V::part (&acc)[MB]) {
+// MB rows of x (packed at xp) by NB weight rows from `row` (row_bytes
+// apart; their scales and biases `groups` apart) over weights k0..k1,
+// half h of the vector, into acc.
+template <class V, int BITS, int STEPS, int MB, int NB>
+inline void half_rows(const uint8_t* row, size_t row_bytes, const float* scale, const float* bias, int groups,
+                      const float* xp, int k0, int k1, int h, typename V::part (&acc)[NB][MB]) {
   constexpr int W = 16 / V::PARTS;
   for (int g = k0 / (32 * STEPS), k = k0; k < k1; k += 32 * STEPS, ++g) {
-    const auto s = V::set1_part(scale[g]), b = V::set1_part(bias[g]);
 #pragma GCC unroll 4
     for (int c = 0; c < STEPS; ++c, xp += 2 * V::PARTS * MB * W) {
       const int kc = k + 32 * c;
-      typename V::part lo, hi;
-      if constexpr (BITS == 4) {
-        V::codes4_part(row + kc / 2 + W * h, lo, hi);
-      } else {
-        lo = V::codes8_part(row + kc + W * h);
-        hi = V::codes8_part(row + kc + 16 + W * h);
-      }
-      lo = V::fma_part(lo, s, b);
-      hi = V::fma_part(hi, s, b);
+#pragma GCC unroll 2
+      for (int j = 0; j < NB; ++j) {
+        const auto s = V::set1_part(scale[j * groups + g]), b = V::set1_part(bias[j * groups + g]);
+        typename V::part lo, hi;
+        const uint8_t* r = row + j * row_bytes;
+        if constexpr (BITS == 4) {
+          V::codes4_part(r + kc / 2 + W * h, lo, hi);
+        } else {
+          lo = V::codes8_part(r + kc + W * h);
+          hi = V::codes8_part(r + kc + 16 + W * h);
+        }
+        lo = V::fma_part(lo, s, b);
+        hi = V::fma_part(hi, s, b);
 #pragma GCC unroll 8
-      for (int i = 0; i < MB; ++i) {
-        acc[i] = V::fma_part(V::loadu_part(xp + W * i), lo, acc[i]);
-        acc[i] = V::fma_part(V::loadu_part(xp + W * (MB + i)), hi, acc[i]);
+        for (int i = 0; i < MB; ++i) {
+          acc[j][i] = V::fma_part(V::loadu_part(xp + W * i), lo, acc[j][i]);
+          acc[j][i] = V::fma_part(V::loadu_part(xp + W * (MB + i)), hi, acc[j][i]);
+        }
       }
     }
   }
@@ -378,59 +390,76 @@ inline void pack_pass(const kvmux_native::Problem& p, int m, int take, float* ou
         for (int i = 0; i < take; ++i, out += W) std::memcpy(out, p.x + size_t(m + i) * p.K + k + 16 * t + W * h, W * 4);
 }
 
-// half_rows' pass of `take` (1..MB) rows of x (packed at xp) over
-// weights k0..k1 of a row, its sums (per row of x 16 floats) carried in
-// `sums` from the block of K before.
-template <class V, int BITS, int STEPS, int MB>
-inline void half_pass(int take, const uint8_t* row, const float* scale, const float* bias, const float* xp, int k0,
-                      int k1, float* sums) {
+// half_rows' pass of `take` (1..MB) rows of x over weights k0..k1 of NB
+// weight rows, its sums (per weight row and row of x 16 floats, weight
+// rows sum_stride apart) carried in `sums` from the block of K before.
+template <class V, int BITS, int STEPS, int MB, int NB>
+inline void half_pass(int take, const uint8_t* row, size_t row_bytes, const float* scale, const float* bias,
+                      int groups, const float* xp, int k0, int k1, float* sums, size_t sum_stride) {
   if constexpr (MB > 1)
-    if (take < MB) return half_pass<V, BITS, STEPS, MB - 1>(take, row, scale, bias, xp, k0, k1, sums);
+    if (take < MB)
+      return half_pass<V, BITS, STEPS, MB - 1, NB>(take, row, row_bytes, scale, bias, groups, xp, k0, k1, sums,
+                                                   sum_stride);
   constexpr int W = 16 / V::PARTS;
 #pragma GCC unroll 2
   for (int h = 0; h < V::PARTS; ++h) {
-    typename V::part acc[MB];
+    typename V::part acc[NB][MB];
+    for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) acc[i] = k0 ? V::loadu_part(sums + 16 * i + W * h) : V::zero_part();
-    half_rows<V, BITS, STEPS, MB>(row, scale, bias, xp + size_t(k0 / 32) * 2 * V::PARTS * MB * W + h * 2 * MB * W,
-                                  k0, k1, h, acc);
+      for (int i = 0; i < MB; ++i) acc[j][i] = k0 ? V::loadu_part(sums + j * sum_stride + 16 * i + W * h) : V::zero_part();
+    half_rows<V, BITS, STEPS, MB, NB>(row, row_bytes, scale, bias, groups,
+                                      xp + size_t(k0 / 32) * 2 * V::PARTS * MB * W + h * 2 * MB * W, k0, k1, h, acc);
+    for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 8
-    for (int i = 0; i < MB; ++i) V::store_part(sums + 16 * i + W * h, acc[i]);
+      for (int i = 0; i < MB; ++i) V::store_part(sums + j * sum_stride + 16 * i + W * h, acc[j][i]);
   }
 }
 
-// Rows m0..m1 of x by weight rows n0..n1 by half_rows, 4- or 8-bit codes.
+// Rows m0..m1 of x by weight rows n0..n1 by half_rows, 4- or 8-bit codes:
+// up to PAIR_ROWS rows of x two weight rows at a time (their sums 2 x 4
+// chains of multiply-adds, as many as 8 rows of x by one give).
 template <class V, int BITS, kvmux_native::ScaleType ST>
 void halves(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
   const int K = p.K, groups = K / p.group, rows = m1 - m0;
   const size_t row_bytes = size_t(K) * BITS / 8;
   const int blocks = int((size_t(K) * rows * 4 + XBLOCK - 1) / XBLOCK);
-  const int span = (K / blocks + p.group - 1) / p.group * p.group;  // whole groups
+  const int span = (K / blocks + p.group - 1) / p.group * p.group;
   // Floats, not vectors: a std::vector of AVX registers would be
   // instantiated outside this file's target pragma.
   thread_local std::vector<float> sums, converted, packed;
   sums.resize(size_t(HALF_WEIGHT_ROWS) * rows * 16);
-  converted.resize(size_t(2) * groups + 16);
+  converted.resize(size_t(4) * groups + 16);
   packed.resize(size_t(rows) * K + 16);
   // At a cache line's start: a load across two lines costs two.
   float* xp = packed.data() + (16 - reinterpret_cast<uintptr_t>(packed.data()) / sizeof(float) % 16) % 16;
   even_passes(m0, m1, HALF_ROWS, [&](int m, int take) { pack_pass<V>(p, m, take, xp + size_t(m - m0) * K); });
-  float* scale = converted.data();
-  float* bias = scale + groups;
+  float* scale = converted.data();  // two weight rows' scales, then their biases
+  float* bias = scale + 2 * groups;
+  const bool pairs = rows <= PAIR_ROWS;
   by_group(p.group, [&](auto steps) {
     constexpr int STEPS = decltype(steps)::value;
     for (int nb = n0; nb < n1; nb += HALF_WEIGHT_ROWS) {
       const int ne = n1 - nb < HALF_WEIGHT_ROWS ? n1 : nb + HALF_WEIGHT_ROWS;
       for (int k0 = 0; k0 < K; k0 += span) {
         const int k1 = K - k0 < span ? K : k0 + span, g0 = k0 / p.group, count = (k1 - k0) / p.group;
-        for (int n = nb; n < ne; ++n) {
-          to_floats<V, ST>(p.scales, size_t(n) * groups + g0, count, scale + g0);
-          to_floats<V, ST>(p.biases, size_t(n) * groups + g0, count, bias + g0);
+        for (int n = nb; n < ne;) {
+          const int pair = pairs && n + 1 < ne ? 2 : 1;
+          for (int j = 0; j < pair; ++j) {
+            to_floats<V, ST>(p.scales, size_t(n + j) * groups + g0, count, scale + j * groups + g0);
+            to_floats<V, ST>(p.biases, size_t(n + j) * groups + g0, count, bias + j * groups + g0);
+          }
           float* s = sums.data() + size_t(n - nb) * rows * 16;
           even_passes(m0, m1, HALF_ROWS, [&](int m, int take) {
-            half_pass<V, BITS, STEPS, HALF_ROWS>(take, p.w + n * row_bytes, scale, bias,
-                                                 xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16);
+            if (pair == 2)
+              half_pass<V, BITS, STEPS, PAIR_ROWS, 2>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
+                                                      xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
+                                                      size_t(rows) * 16);
+            else
+              half_pass<V, BITS, STEPS, HALF_ROWS, 1>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
+                                                      xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
+                                                      size_t(rows) * 16);
           });
+          n += pair;
         }
       }
       for (int n = nb; n < ne; ++n)
