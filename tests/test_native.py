@@ -51,11 +51,13 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
 
 
 # K 576 (gate_proj's) and 1,536 (down_proj's: AVX2's halves take 3 to 8
-# rows of it in blocks of K, the sums carried from one to the next); 6
-# bits are not halves': on AVX2 2 rows and more of them go through the
-# scratch.
+# rows of it in blocks of K, the sums carried from one to the next); 6, 5
+# and 3 bits are not halves': on AVX2 2 rows and more of them go through
+# the scratch, and their codes are unpacked by a shuffle and shifts
+# there (V::codes_bits), by a loop elsewhere.
 @pytest.mark.parametrize(
-    ("bits", "k", "group"), [(4, 576, 32), (8, 576, 32), (4, 1536, 128), (8, 1536, 64), (6, 576, 64)]
+    ("bits", "k", "group"),
+    [(4, 576, 32), (8, 576, 32), (4, 1536, 128), (8, 1536, 64), (6, 576, 64), (5, 576, 32), (3, 1536, 32)],
 )
 def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group):
     codes, s, b = quantized(202, k, bits, group, seed=bits)  # a last block of 2 weight rows where a block is 4

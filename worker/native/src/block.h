@@ -109,6 +109,9 @@ inline void codes(const uint8_t* row, int k, typename V::vec& a, typename V::vec
   } else if constexpr (BITS == 8) {
     a = V::codes8(row + k);
     b = V::codes8(row + k + 16);
+  } else if constexpr (requires { V::template codes_bits<BITS>(row); }) {
+    a = V::template codes_bits<BITS>(row + k * BITS / 8);
+    b = V::template codes_bits<BITS>(row + (k + 16) * BITS / 8);
   } else {
     alignas(64) float out[32];
     codes_any<BITS>(row, k, out);

@@ -163,11 +163,12 @@ BlockFn block_avx512();
 // direct: 49.9 against 37.8 GMAC/s for 17 rows through the scratch (one
 // thread, a 64 x 1536 block in L2, Intel Xeon with AVX-512).
 constexpr int DIRECT_AVX512 = 32, DIRECT_AVX2 = 8, DIRECT_SCALAR = 1;
-// Widths other than 4 and 8 bits (block.h's codes_any) are not halves':
-// on AVX2 more than one row of x goes through the scratch, where each
-// code is unpacked once for all rows (1,536 x 576 6-bit weights, two
-// threads: 3 or 4 rows 0.35-0.45 ms against 0.68 in direct's passes of
-// 2, each unpacking the codes again; 2 rows the same either way).
+// Widths other than 4 and 8 bits are not halves': on AVX2 more than one
+// row of x goes through the scratch, where each code is unpacked once for
+// all rows (1,536 x 576 6-bit weights, two threads: 3 or 4 rows 0.35-0.45
+// ms against 0.68 in direct's passes of 2, each unpacking the codes again;
+// 2 rows the same either way; measured before V::codes_bits made their
+// unpacking ~5x cheaper).
 constexpr int DIRECT_AVX2_ANY_WIDTH = 1;
 
 // Weight rows of a tile of the scratch path (block.h's tile, NB): a
