@@ -372,7 +372,7 @@ def _blocks(rng, encoding, rows: int, cols: int) -> np.ndarray:
 
     block, size = GGML_QUANT_SIZES[encoding]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for at in {Q.Q4_K: [0, 2], Q.Q6_K: [208]}[encoding]:  # Q4_K: d and dmin first; Q6_K: d last
+    for at in {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[encoding]:  # Q4_K, Q5_K: d and dmin first; Q6_K: d last
         raw[..., at : at + 2] = rng.uniform(1e-3, 1e-2, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
@@ -409,6 +409,36 @@ def _q4_k(raw: np.ndarray) -> np.ndarray:
     return np.concatenate(out).reshape(raw.shape[0], -1)
 
 
+def _q5_k(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_q5_K, transcribed."""
+    out = []
+    for block in raw.reshape(-1, 176):
+        d, dmin = block[0:4].view(np.float16).astype(np.float32)
+        scales, qh, q = block[4:16].astype(np.int32), block[16:48].astype(np.int32), block[48:].astype(np.int32)
+        for k in range(4):
+            (s1, m1), (s2, m2) = _scale_min(scales, 2 * k), _scale_min(scales, 2 * k + 1)
+            part = q[32 * k : 32 * k + 32]
+            low = (part & 0xF) + 16 * ((qh >> (2 * k)) & 1)
+            high = (part >> 4) + 16 * ((qh >> (2 * k + 1)) & 1)
+            out += [d * s1 * low.astype(np.float32) - dmin * m1, d * s2 * high.astype(np.float32) - dmin * m2]
+    return np.concatenate(out).reshape(raw.shape[0], -1)
+
+
+def _q5_01(raw: np.ndarray, minimum: bool) -> np.ndarray:
+    """llama.cpp's dequantize_row_q5_0 (`minimum`: q5_1), transcribed."""
+    out = []
+    for block in raw.reshape(-1, 24 if minimum else 22):
+        d = block[0:2].view(np.float16).astype(np.float32)[0]
+        m = block[2:4].view(np.float16).astype(np.float32)[0] if minimum else np.float32(0)
+        at = 4 if minimum else 2
+        qh = int(block[at : at + 4].view(np.uint32)[0])
+        qs = block[at + 4 :].astype(np.int32)
+        fifth = np.array([(qh >> j) & 1 for j in range(32)], np.int32) << 4
+        q = np.concatenate([qs & 0xF, qs >> 4]) | fifth
+        out.append(q.astype(np.float32) * d + m if minimum else (q - 16).astype(np.float32) * d)
+    return np.concatenate(out).reshape(raw.shape[0], -1)
+
+
 def test_block_encodings_decode_as_llama_cpp(tmp_path):
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -418,15 +448,17 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     rng = np.random.default_rng(0)
     k_quants = {
         "k4.weight": (Q.Q4_K, _blocks(rng, Q.Q4_K, 8, 512)),
+        "k5.weight": (Q.Q5_K, _blocks(rng, Q.Q5_K, 8, 512)),
         "k6.weight": (Q.Q6_K, _blocks(rng, Q.Q6_K, 8, 512)),
     }
     x = rng.standard_normal((8, 256)).astype(np.float32)
     affine = {f"{e.name}.weight": (e, gguf.quants.quantize(x, e)) for e in (Q.Q4_0, Q.Q4_1, Q.Q8_0)}
-    _write(tmp_path / "k.gguf", k_quants)
+    fives = {f"{e.name}.weight": (e, gguf.quants.quantize(x, e)) for e in (Q.Q5_0, Q.Q5_1)}
+    _write(tmp_path / "k.gguf", {name: k_quants[name] for name in ("k4.weight", "k6.weight")})  # Q5_K: MLX reads none
     _write(tmp_path / "affine.gguf", affine)
-    _write(tmp_path / "mixed.gguf", {**k_quants, **affine, "q5.weight": (Q.Q5_0, gguf.quants.quantize(x, Q.Q5_0))})
+    _write(tmp_path / "mixed.gguf", {**k_quants, **affine, **fives})
     header = gguf_file.read_header(tmp_path / "mixed.gguf")
-    assert header.encodings == {Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0}
+    assert header.encodings == {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
     ours = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False)
 
     # Q4_0, Q4_1, Q8_0: the triplets MLX's reader makes of a file it reads whole, bit for bit.
@@ -434,19 +466,31 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     assert sorted(theirs) == sorted(k for k in ours if k.split(".")[0] in ("Q4_0", "Q4_1", "Q8_0"))
     for name, array in theirs.items():
         assert ours[name].dtype == array.dtype and mx.array_equal(ours[name], array).item(), name
-    # Q6_K: MLX's own decoder (to float16); Q4_K: an MLX triplet (float32
-    # scales) whose weights are llama.cpp's, transcribed, bit for bit (MLX's
+    # Q6_K: float32, as MLX's own decoder makes it (to float16); Q4_K and
+    # Q5_K: MLX triplets (float32 scales), Q5_0 and Q5_1 5-bit ones (float16
+    # scales), whose weights are llama.cpp's, transcribed, bit for bit (MLX's
     # own reader gives other values where the scales use their high bits).
     q6 = np.array(mx.load(str(tmp_path / "k.gguf"))["k6.weight"].astype(mx.float32))
     np.testing.assert_allclose(np.array(ours["k6.weight"]), q6, rtol=1e-3, atol=1e-6)
-    k4 = mx.dequantize(ours["k4.weight"], ours["k4.scales"], ours["k4.biases"], group_size=32, bits=4)
-    assert np.array_equal(np.array(k4), _q4_k(k_quants["k4.weight"][1]))
-    assert ours["q5.weight"].dtype == mx.float32 and np.abs(np.array(ours["q5.weight"]) - x).max() < 0.2
 
-    # Quantized again (a GPU): MLX triplets, the K-quants at their own width.
+    def weights(name: str, bits: int) -> np.ndarray:
+        s, b = (ours[f"{name}.{part}"].astype(mx.float32) for part in ("scales", "biases"))
+        return np.array(mx.dequantize(ours[f"{name}.weight"], s, b, group_size=32, bits=bits))
+
+    assert np.array_equal(weights("k4", 4), _q4_k(k_quants["k4.weight"][1]))
+    assert np.array_equal(weights("k5", 5), _q5_k(k_quants["k5.weight"][1]))
+    for name, minimum in (("Q5_0", False), ("Q5_1", True)):
+        assert ours[f"{name}.scales"].dtype == mx.float16
+        assert np.array_equal(weights(name, 5), _q5_01(fives[f"{name}.weight"][1], minimum)), name
+    assert ours["k6.weight"].dtype == mx.float32
+
+    # Quantized again (a GPU): MLX triplets, the K-quants at their own
+    # width, Q5_0 and Q5_1 as they are (MLX's own 5-bit layout).
     kept = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=True)
-    widths = {name: kept[f"{name}.weight"].shape[-1] // kept[f"{name}.scales"].shape[-1] for name in ("k4", "k6", "q5")}
-    assert widths == {"k4": 4, "k6": 6, "q5": 5}
+    names = ("k4", "k5", "k6", "Q5_0", "Q5_1")
+    widths = {name: kept[f"{name}.weight"].shape[-1] // kept[f"{name}.scales"].shape[-1] for name in names}
+    assert widths == {"k4": 4, "k5": 5, "k6": 6, "Q5_0": 5, "Q5_1": 5}
+    assert mx.array_equal(kept["Q5_1.weight"], ours["Q5_1.weight"]).item()
 
 
 def test_files_that_cannot_load_are_refused(tmp_path):

@@ -9,16 +9,17 @@ reader makes them. When every tensor is float or one of those, mx.load
 reads the file whole (the embedded model's path, the fastest). Any other
 encoding (the K-quants, Q5_0, Q5_1, the IQ codes) makes mx.load fail, so
 such a file is read tensor by tensor: those three still become triplets
-here, and so does Q4_K (a scale and a minimum per 32 weights: with float32
-scales `d * sc` and biases `-dmin * m` its weights are exactly the gguf
-package's); the rest are dequantized to float32 by the gguf package
-(llama.cpp's gguf-py: the values llama.cpp computes with). Q6_K's 16-weight
-groups and Q5's fifth bit have no exact form in MLX's layout that the CPU
-kernel (worker/qmm) reads, so they stay float32 on a CPU. Where weights
-stay quantized on a GPU (`requantize`) every non-affine encoding, Q4_K
-included, is quantized again by mx.quantize, at the narrowest MLX width
-holding the encoding's (Q4_K: 4 bits, Q5_0: 5, Q6_K: 6): MLX computes with
-no K-quant code of its own.
+here, and so do Q5_0 and Q5_1 (5-bit codes, a scale and a minimum per 32
+weights: MLX's 5-bit layout), Q4_K and Q5_K (a scale and a minimum per 32
+weights: with float32 scales `d * sc` and biases `-dmin * m` their weights
+are exactly the gguf package's); the rest are dequantized to float32 by the
+gguf package (llama.cpp's gguf-py: the values llama.cpp computes with).
+Q6_K's 16-weight groups have no exact form in MLX's layout, so they stay
+float32 on a CPU. Where weights stay quantized on a GPU (`requantize`)
+every encoding but the affine five, Q4_K and Q5_K included, is quantized
+again by mx.quantize, at the narrowest MLX width holding the encoding's
+(Q4_K: 4 bits, Q6_K: 6): MLX's GPU kernels take no float32 scales and no
+K-quant code of their own.
 
 The header is parsed here, not by gguf.GGUFReader, which makes a numpy view
 per element of the tokenizer's arrays: 12 s for Gemma 3's 262k-token
@@ -39,7 +40,9 @@ from gguf.quants import Q4_K, dequantize
 
 GROUP_SIZE = 32
 FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}  # BF16 read as its bits
-AFFINE = {Q.Q4_0, Q.Q4_1, Q.Q8_0}
+AFFINE = {Q.Q4_0, Q.Q4_1, Q.Q8_0}  # what mx.load reads
+EXACT = AFFINE | {Q.Q5_0, Q.Q5_1}  # MLX's layout with float16 scales, as they are
+K_QUANTS = {Q.Q4_K, Q.Q5_K}  # MLX's layout with float32 scales (not on a GPU)
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 
 # GGUF metadata value types: struct codes of the scalars, and numpy types of
@@ -128,8 +131,8 @@ def read_header(path: Path) -> Header:
 
 def read_tensors(path: Path, header: Header, requantize: bool) -> dict[str, mx.array]:
     """Every tensor: floats as stored, triplets for the affine encodings
-    (Q4_K too, unless `requantize`), the rest float32 (or quantized again,
-    `requantize`)."""
+    (Q4_K and Q5_K too, unless `requantize`), the rest float32 (or quantized
+    again, `requantize`)."""
     check(header)
     if header.encodings <= FLOATS.keys() | AFFINE:
         return mx.load(str(path))
@@ -143,7 +146,7 @@ def read_tensors(path: Path, header: Header, requantize: bool) -> dict[str, mx.a
         if tensor.encoding in FLOATS:
             array = mx.array(raw.view(FLOATS[tensor.encoding]).reshape(tensor.shape))
             weights[tensor.name] = array.view(mx.bfloat16) if tensor.encoding == Q.BF16 else array
-        elif tensor.encoding in AFFINE or (tensor.encoding == Q.Q4_K and not requantize):
+        elif tensor.encoding in EXACT or (tensor.encoding in K_QUANTS and not requantize):
             triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
             for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
                 weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
@@ -188,37 +191,68 @@ def decodable(encoding: Q) -> bool:
 
 
 def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0 or Q4_K as MLX's packed
-    weights, scales and biases (what mx.load makes of the first three)."""
-    if encoding == Q.Q4_K:
-        return _q4_k(blocks)
+    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K or Q5_K as
+    MLX's packed weights, scales and biases (what mx.load makes of the first
+    three)."""
+    if encoding in K_QUANTS:
+        return _k_quant(blocks, encoding)
     scale = blocks[..., :2].copy().view(np.float16)[..., 0]
     if encoding == Q.Q8_0:  # int8 q: w = d * q = d * (q + 128) - 128 d
         return (blocks[..., 2:] ^ np.uint8(0x80)).reshape(len(blocks), -1).view(np.uint32), scale, scale * -128
-    if encoding == Q.Q4_1:  # w = d * q + m
-        bias, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
-    else:  # Q4_0: w = d * (q - 8)
-        bias, nibbles = scale * -8, blocks[..., 2:]
-    # A block's 16 bytes hold weights 0-15 in their low nibbles, 16-31 in
-    # their high ones; MLX packs weights 2i and 2i+1 into byte i.
-    low, high = nibbles & 0xF, nibbles >> 4
-    packed = np.concatenate([low[..., 0::2] | (low[..., 1::2] << 4), high[..., 0::2] | (high[..., 1::2] << 4)], axis=-1)
-    return packed.reshape(len(blocks), -1).view(np.uint32), scale, bias
+    if encoding in (Q.Q4_1, Q.Q5_1):  # w = d * q + m
+        bias, codes = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
+    else:  # Q4_0 and Q5_0: w = d * (q - 8) and d * (q - 16)
+        bias, codes = scale * (-8 if encoding == Q.Q4_0 else -16), blocks[..., 2:]
+    if encoding in (Q.Q5_0, Q.Q5_1):  # each weight's fifth bit first, as a little-endian uint32
+        fifth = (codes[..., :4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        return _packed(_nibbles(codes[..., 4:]) | (fifth.astype(np.uint8) << 4), 5), scale, bias
+    return _packed(_nibbles(codes), 4), scale, bias
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks (256 weights: d, dmin, 8 packed 6-bit scales and
-    minimums, 4-bit codes) as 32-weight groups with float32 scales `d * sc`
-    and biases `-dmin * m`: exact (d * sc has 17 significant bits, times a
-    4-bit code 21), so `q * scale + bias` is gguf-py's `d * sc * q - dmin * m`."""
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """A 32-weight block's 16 bytes: weights 0-15 in their low nibbles, 16-31
+    in their high ones (Q4_0, Q4_1, Q5_0, Q5_1)."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _packed(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes (rows, ...: a multiple of 8 a row) packed as MLX packs
+    `bits`-bit codes, a little-endian bit stream (at 4 bits, weights 2i
+    and 2i + 1 in byte i): rows of uint32."""
+    rows = len(codes)
+    codes = codes.reshape(rows, -1)
+    if bits == 4:
+        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.uint32)
+    eights = codes.shape[1] // 8
+    out = np.empty((rows, eights, bits), np.uint8)
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    for at in range(0, rows, 1024):  # 8 codes a uint64, 1,024 rows at a time (a bounded copy)
+        eight = codes[at : at + 1024].reshape(-1, eights, 8).astype(np.uint64)
+        words = np.bitwise_or.reduce(eight << shifts, axis=-1)
+        out[at : at + 1024] = words.view(np.uint8).reshape(-1, eights, 8)[..., :bits]
+    return out.reshape(rows, -1).view(np.uint32)
+
+
+def _k_quant(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K or Q5_K super-blocks (256 weights: d, dmin, 8 packed 6-bit
+    scales and minimums, Q5_K's fifth bits, 4-bit codes) as 32-weight
+    groups with float32 scales `d * sc` and biases `-dmin * m`: exact (d * sc
+    has 17 significant bits, times a 5-bit code 22), so `q * scale + bias`
+    is gguf-py's `d * sc * q - dmin * m`."""
     rows = len(blocks)
     flat = blocks.reshape(-1, blocks.shape[-1])
     d = flat[:, :2].copy().view(np.float16).astype(np.float32)
     dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, m = Q4_K.get_scale_min(flat[:, 4 : 4 + Q4_K.K_SCALE_SIZE])
     scales, biases = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    rest = flat[:, 4 + Q4_K.K_SCALE_SIZE :]
+    fifth = None
+    if encoding == Q.Q5_K:  # 32 bytes: bit j of byte l is weight 32j + l's fifth bit
+        fifth, rest = rest[:, :32], rest[:, 32:]
     # Each 64 weights: 32 bytes, weights 0-31 in their low nibbles, 32-63 in their high ones.
-    qs = flat[:, 4 + Q4_K.K_SCALE_SIZE :].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    qs = rest.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     codes = (qs & np.uint8(0x0F)).reshape(-1, 8, 32)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.reshape(rows, -1).view(np.uint32), scales.reshape(rows, -1), biases.reshape(rows, -1)
+    if fifth is not None:
+        codes |= ((fifth.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
+    bits = 5 if encoding == Q.Q5_K else 4
+    return _packed(codes.reshape(rows, -1), bits), scales.reshape(rows, -1), biases.reshape(rows, -1)
