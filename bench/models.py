@@ -48,11 +48,11 @@ class ModelsConfig:
 
 
 def _token_ids(model: str, words: int) -> list[int]:
-    from kvmux.worker.model import gguf_tokenizer
+    from kvmux.worker import gguf_tokenizer
 
     path = Path(model)
     if path.suffix == ".gguf":
-        tokenizer = gguf_tokenizer(path)
+        tokenizer = gguf_tokenizer.load(path)
     else:
         from transformers import AutoTokenizer
 
