@@ -133,8 +133,9 @@ def _turn_ends(tokenizer) -> list[int]:
 def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
     """GGUF's own dequantization, `q * scale + min` in float32 (as llama.cpp
     computes it). Unpacking with shifts and masks is 3x faster on CPU than
-    `mx.dequantize`, which also rounds to the scales' float16 unless they
-    are float32 (as they are given it here: Q5_0's and Q5_1's 5 bits)."""
+    `mx.dequantize`, which computes in its scales' dtype: the widths that
+    do not divide 32 (5 bits: Q5_0's, Q5_1's, Q5_K's) go through it with
+    their scales as float32."""
     if 32 % bits:
         f32 = (scales.astype(mx.float32), biases.astype(mx.float32))
         return mx.dequantize(weight, *f32, group_size=gguf_file.GROUP_SIZE, bits=bits)
