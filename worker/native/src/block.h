@@ -635,23 +635,22 @@ void block_bits(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, 
   }
 }
 
-// DIRECT: rows of x straight from 4- and 8-bit codes; ANY_WIDTH: from
-// codes of other widths (kernels.h).
-template <class V, int DIRECT, int ANY_WIDTH, int NB, int MB>
+// D: the rows of x each width takes straight from the codes (kernels.h).
+template <class V, kvmux_native::DirectRows D, int NB, int MB>
 void block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   switch (p.bits) {
     case 4:
-      return block_bits<V, 4, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 4, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 8:
-      return block_bits<V, 8, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 8, D.of(8), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 2:
-      return block_bits<V, 2, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 2, D.of(2), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 3:
-      return block_bits<V, 3, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 3, D.of(3), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 5:
-      return block_bits<V, 5, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 5, D.of(5), NB, MB>(p, n0, n1, m0, m1, scratch);
     default:
-      return block_bits<V, 6, ANY_WIDTH, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 6, D.of(6), NB, MB>(p, n0, n1, m0, m1, scratch);
   }
 }
 

@@ -226,7 +226,7 @@ IsaKernels kernels_avx2() {
   return {&avx2::attend_part<avx2::Halves>, &avx2::attend_chunk_of, &avx2::narrow,
           &avx2::swiglu, &avx2::exps};
 }
-BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, DIRECT_AVX2_ANY_WIDTH, TILE_AVX2, 4>; }
+BlockFn block_avx2() { return &avx2::block<avx2::V, DIRECT_AVX2, TILE_AVX2, 4>; }
 Int8Kernels int8_avx2() { return {&avx2::int8<avx2::Q>, &avx2::quantize}; }
 
 }  // namespace kvmux_native

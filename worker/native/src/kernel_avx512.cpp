@@ -134,7 +134,7 @@ IsaKernels kernels_avx512() {
   return {&avx512::attend_part<avx512::Wide>, &avx512::attend_chunk<avx512::Wide>, &avx512::narrow,
           &avx512::swiglu, &avx512::exps};
 }
-BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, DIRECT_AVX512, TILE_AVX512, 4>; }
+BlockFn block_avx512() { return &avx512::block<avx512::V, DIRECT_AVX512, TILE_AVX512, 4>; }
 Int8Kernels int8_avx512() { return {&avx512::int8<avx512::Q>, &avx512::quantize}; }
 
 }  // namespace kvmux_native

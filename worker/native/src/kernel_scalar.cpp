@@ -120,7 +120,7 @@ IsaKernels kernels_scalar() {
   return {&scalar::attend_part<scalar::Halves>, &scalar::attend_chunk<scalar::Halves>, &scalar::narrow,
           &scalar::swiglu, &scalar::exps};
 }
-BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, DIRECT_SCALAR, TILE_SCALAR, DIRECT_SCALAR>; }
+BlockFn block_scalar() { return &scalar::block<scalar::V, DIRECT_SCALAR, TILE_SCALAR, 1>; }
 Int8Kernels int8_scalar() { return {&scalar::int8<scalar::Q>, &scalar::quantize}; }
 
 }  // namespace kvmux_native

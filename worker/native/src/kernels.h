@@ -162,14 +162,22 @@ BlockFn block_avx512();
 // On AVX-512 a verify pass (up to 17 rows) and 32 sessions' step stay
 // direct: 49.9 against 37.8 GMAC/s for 17 rows through the scratch (one
 // thread, a 64 x 1536 block in L2, Intel Xeon with AVX-512).
-constexpr int DIRECT_AVX512 = 32, DIRECT_AVX2 = 8, DIRECT_SCALAR = 1;
+//
 // Widths other than 4 and 8 bits are not halves': on AVX2 more than one
 // row of x goes through the scratch, where each code is unpacked once for
 // all rows (1,536 x 576 6-bit weights, two threads: 3 or 4 rows 0.35-0.45
 // ms against 0.68 in direct's passes of 2, each unpacking the codes again;
 // 2 rows the same either way; measured before V::codes_bits made their
 // unpacking ~5x cheaper).
-constexpr int DIRECT_AVX2_ANY_WIDTH = 1;
+//
+// One value per instruction set, read by block.h's `block` (which path
+// each width compiles to) and qmm.cpp's items_of (which items get a
+// scratch): the two must agree, or a scratch item finds none.
+struct DirectRows {
+  int codes48, other;  // 4- and 8-bit codes; 2, 3, 5 and 6 bits
+  constexpr int of(int bits) const { return bits == 4 || bits == 8 ? codes48 : other; }
+};
+constexpr DirectRows DIRECT_AVX512{32, 32}, DIRECT_AVX2{8, 1}, DIRECT_SCALAR{1, 1};
 
 // Weight rows of a tile of the scratch path (block.h's tile, NB): a
 // thread's item there is a whole number of tiles (qmm.cpp's items_of), so

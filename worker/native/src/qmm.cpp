@@ -205,22 +205,21 @@ struct Item {
 
 constexpr int XROWS = 64, ITEMS_PER_THREAD = 4;
 
-// An instruction set's rows of x computed straight from 4- and 8-bit
-// codes and from codes of other widths, and its scratch path's weight
-// rows a tile (kernels.h).
+// An instruction set's rows of x computed straight from the codes, per
+// width, and its scratch path's weight rows a tile (kernels.h).
 struct Shape {
-  int direct, any_width, tile;
-  int direct_of(int bits) const { return bits == 4 || bits == 8 ? direct : any_width; }
+  DirectRows direct;
+  int tile;
 };
 
 Shape shape_of(Isa isa) {
   switch (isa) {
     case Isa::avx512:
-      return {DIRECT_AVX512, DIRECT_AVX512, TILE_AVX512};
+      return {DIRECT_AVX512, TILE_AVX512};
     case Isa::avx2:
-      return {DIRECT_AVX2, DIRECT_AVX2_ANY_WIDTH, TILE_AVX2};
+      return {DIRECT_AVX2, TILE_AVX2};
     default:
-      return {DIRECT_SCALAR, DIRECT_SCALAR, TILE_SCALAR};
+      return {DIRECT_SCALAR, TILE_SCALAR};
   }
 }
 
@@ -230,12 +229,12 @@ std::vector<Item> items_of(const std::vector<Problem>& ps, int threads, Shape sh
   std::vector<Item> items;
   size_t direct_bytes = 0;
   for (const auto& p : ps)
-    if (p.M <= shape.direct_of(p.bits) || p.packed) direct_bytes += size_t(p.N) * p.K * p.bits / 8;
+    if (p.M <= shape.direct.of(p.bits) || p.packed) direct_bytes += size_t(p.N) * p.K * p.bits / 8;
   const size_t share = std::max<size_t>(16 << 10, direct_bytes / (size_t(threads) * ITEMS_PER_THREAD));
   for (int i = 0; i < int(ps.size()); ++i) {
     const auto& p = ps[i];
     if (p.M == 0) continue;
-    if (p.M <= shape.direct_of(p.bits) || p.packed) {
+    if (p.M <= shape.direct.of(p.bits) || p.packed) {
       const size_t row_bytes = size_t(p.K) * p.bits / 8;
       const int step = p.packed ? PACKED_ROWS : 4, x_rows = p.packed ? XROWS : p.M;
       const int rows = std::max<int>(step, int(share / row_bytes) / step * step);
@@ -324,7 +323,7 @@ void compute(const std::vector<Problem>& ps) {
     const Problem& p = ps[item.problem];
     if (p.packed) return int8.products(p, quantized[source[item.problem]].q, item.n0, item.n1, item.m0, item.m1);
     thread_local std::vector<float> scratch;
-    if (item.m1 - item.m0 > shape.direct_of(p.bits) && scratch.size() < size_t(item.n1 - item.n0) * p.K)
+    if (item.m1 - item.m0 > shape.direct.of(p.bits) && scratch.size() < size_t(item.n1 - item.n0) * p.K)
       scratch.resize(size_t(item.n1 - item.n0) * p.K);
     block(p, item.n0, item.n1, item.m0, item.m1, scratch.data());
   });
