@@ -53,8 +53,7 @@ from kvmux.client import Client
 from kvmux.worker.preload import huge_pages_mb, jemalloc_path, thp_mode
 
 from . import spawn
-from .peers import rss_kb
-from .report import ratio_summary
+from .report import ratio_summary, rss_kb
 
 COPY_BYTES = 256 << 20
 PREFILL_TOKENS = 1000

@@ -33,7 +33,7 @@ from kvmux import keys
 from kvmux import protocol as p
 from kvmux.protocol import Op
 
-from .report import machine, now_iso, write_json_atomic
+from .report import machine, now_iso, rss_kb, write_json_atomic
 
 CLIENT_OPS = sorted(p.REQUEST_BODIES)
 WORKER_OPS = sorted({*p.WORKER_BODIES, *p.REPLY_OPS})
@@ -240,13 +240,6 @@ class Hostile:
         """A worker's FINAL past max_frame_bytes, to some route."""
         route = self.rng.choice([b"", self.rng.randbytes(5), b"\x00" + self.rng.randbytes(4)])
         return [route, p.envelope(Op.FINAL, self.rng.randrange(1, 64)), b"\x00" * (self.max_frame_bytes + 1)]
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 class _Sockets:

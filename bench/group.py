@@ -27,9 +27,8 @@ from kvmux.client import Client
 from kvmux.protocol import HEARTBEAT_INTERVAL_S
 
 from . import spawn
-from .peers import rss_kb
 from .perf import PLAIN, STORY, at_once
-from .report import machine, now_iso, ratio_summary, write_json_atomic
+from .report import machine, now_iso, ratio_summary, rss_kb, write_json_atomic
 
 
 @dataclass

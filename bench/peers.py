@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from . import spawn
 from .kernels import llama_cpp_lib
-from .report import ReportWriter, percentile
+from .report import ReportWriter, percentile, rss_kb
 from .soak import message
 
 READY_TIMEOUT_S = 180.0
@@ -67,14 +67,6 @@ class PeersConfig:
     concurrent_turns: int = 20
     regenerate_every: int = 10
     system: str = "Be brief."
-
-
-def rss_kb(pid: int) -> int:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def export_mlx_dir(path: Path) -> Path:

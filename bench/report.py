@@ -5,6 +5,7 @@ half a file."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -134,6 +135,15 @@ class ReportWriter:
             return False
         self.write()
         return True
+
+
+def rss_kb(pid: int) -> int:
+    """A process's resident memory (VmRSS) in KiB; 0 once it is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
