@@ -58,30 +58,6 @@ inline void to_floats(const void* base, size_t first, int count, float* out) {
   for (; i < count; ++i) out[i] = scale_at<V, ST>(base, first + i);
 }
 
-// The first N (2, 4, 6 or 8) bytes at p, little-endian, loaded 8, 4 or
-// 2 at a time: no load reads past them, and none meets narrower stores
-// (a memcpy of 6 bytes went through the stack: two stores, then a load
-// of 8 they could not forward to).
-template <int N>
-inline uint64_t bytes_at(const uint8_t* p) {
-  uint64_t v = 0;
-  if constexpr (N == 8) {
-    std::memcpy(&v, p, 8);
-  } else {
-    if constexpr (N >= 4) {
-      uint32_t a;
-      std::memcpy(&a, p, 4);
-      v = a;
-    }
-    if constexpr (N % 4 == 2) {
-      uint16_t b;
-      std::memcpy(&b, p + N - 2, 2);
-      v |= uint64_t(b) << (8 * (N - 2));
-    }
-  }
-  return v;
-}
-
 // 16 codes of any width from k (a multiple of 16): a little-endian bit
 // stream (MLX packs 2, 3, 5 and 6 bits so). The 16 codes are 2 * BITS
 // whole bytes, loaded at once; each code is then a shift and a mask by

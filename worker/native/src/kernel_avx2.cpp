@@ -92,32 +92,17 @@ struct V {
   static part loadu_part(const float* p) { return _mm256_loadu_ps(p); }  // folded into the multiply-add that uses it
   static void store_part(float* p, part v) { _mm256_storeu_ps(p, v); }
   // block.h's codes of 2, 3, 5 and 6 bits: the 16 codes of MLX's
-  // little-endian bit stream at p (its 2 x BITS bytes, loaded 8, 4 and 2
-  // at a time: none past them), each lane's two bytes picked by one
+  // little-endian bit stream at p (its 2 x BITS bytes, kernels.h's
+  // bytes_at: none past them), each lane's two bytes picked by one
   // shuffle, then shifted and masked by per-lane constants. Through
   // block.h's codes_any (a float each, stored and loaded again) one row
   // of x by 1,536 x 576 5-bit weights took 0.50 ms, twice float32's.
   template <int BITS>
   static vec codes_bits(const uint8_t* p) {
     constexpr int N = 2 * BITS;
-    uint64_t low = 0, high = 0;
-    if constexpr (N >= 8) {
-      std::memcpy(&low, p, 8);
-    } else {
-      uint32_t a;
-      std::memcpy(&a, p, 4);
-      low = a;
-    }
-    if constexpr (N % 4 == 2) {  // 6 or 10 bytes: the last two
-      uint16_t b;
-      std::memcpy(&b, p + N - 2, 2);
-      (N > 8 ? high : low) |= uint64_t(b) << (8 * ((N - 2) % 8));
-    }
-    if constexpr (N == 12) {
-      uint32_t c;
-      std::memcpy(&c, p + 8, 4);
-      high = c;
-    }
+    const uint64_t low = bytes_at<(N < 8 ? N : 8)>(p);
+    uint64_t high = 0;
+    if constexpr (N > 8) high = bytes_at<N - 8>(p + 8);
     const __m256i bytes = _mm256_broadcastsi128_si256(_mm_set_epi64x(int64_t(high), int64_t(low)));
     const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
     static constexpr Lanes<BITS> lanes{};

@@ -29,6 +29,31 @@ namespace kvmux_native {
 
 enum class ScaleType { float16, bfloat16, float32 };
 
+// The first N (2, 4, 6 or 8) bytes at p, little-endian, loaded 8, 4 or
+// 2 at a time (the codes of 2, 3, 5 and 6 bits: block.h's codes_any,
+// AVX2's V::codes_bits): no load reads past them, and none meets
+// narrower stores (a memcpy of 6 bytes went through the stack: two
+// stores, then a load of 8 they could not forward to).
+template <int N>
+inline uint64_t bytes_at(const uint8_t* p) {
+  uint64_t v = 0;
+  if constexpr (N == 8) {
+    std::memcpy(&v, p, 8);
+  } else {
+    if constexpr (N >= 4) {
+      uint32_t a;
+      std::memcpy(&a, p, 4);
+      v = a;
+    }
+    if constexpr (N % 4 == 2) {
+      uint16_t b;
+      std::memcpy(&b, p + N - 2, 2);
+      v |= uint64_t(b) << (8 * (N - 2));
+    }
+  }
+  return v;
+}
+
 struct Problem {
   const float* x;  // M x K, rows contiguous
   const uint8_t* w;  // N rows of K * bits / 8 bytes
