@@ -1,6 +1,6 @@
 """kvmux's native CPU ops (worker/native) in this process, on random and
 real weights: the quantized matmul against MLX's own dequantize + matmul
-for every width and group size, a row's bits whatever else the product
+for every width and group size (groups of 16 too, which MLX has not), a row's bits whatever else the product
 holds and whichever instruction set runs it, the fused norm and rope
 against mx.fast's, a layer's fused halves against the separate ops, the
 sampler against mlx-lm's chain and its draws against its distribution,
@@ -26,20 +26,32 @@ TOLERANCE = 2e-6
 
 
 def quantized(n: int, k: int, bits: int, group: int, seed: int, scales=mx.float16):
-    """Random weights in MLX's affine layout, scales and biases as GGUF files keep them."""
+    """Random weights in MLX's affine layout, scales and biases as GGUF files
+    keep them; groups of 16 (which mx.quantize does not make) with float32
+    scales, as worker/gguf_file.py keeps Q6_K, Q3_K and Q2_K."""
     w = mx.random.normal((n, k), key=mx.random.key(seed))
-    codes, s, b = mx.quantize(w, group_size=group, bits=bits)
+    codes, s, b = mx.quantize(w, group_size=max(group, 32), bits=bits)
+    if group == 16:
+        s = mx.random.uniform(0.01, 0.1, (n, k // 16), key=mx.random.key(seed + 1))
+        return codes, s, -mx.random.uniform(0, 2, (n, k // 16), key=mx.random.key(seed + 2)) * s
     return codes, s.astype(scales), b.astype(scales)
 
 
 def reference(x, codes, s, b, group, bits):
     """float32 copies of the weights (the worker's fallback), times x."""
-    w = mx.dequantize(codes, s.astype(mx.float32), b.astype(mx.float32), group_size=group, bits=bits)
+    if group == 16:  # the codes, then q * scale + bias
+        ones = mx.ones((codes.shape[0], s.shape[1] // 2), mx.float32)
+        q = mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits)
+        w = (q.reshape(*s.shape, 16) * s[..., None] + b[..., None]).reshape(q.shape)
+    else:
+        w = mx.dequantize(codes, s.astype(mx.float32), b.astype(mx.float32), group_size=group, bits=bits)
     return x @ w.T
 
 
-@pytest.mark.parametrize("bits", [4, 8, 2, 3, 5, 6])
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(
+    ("bits", "group"),
+    [(b, g) for b in (4, 8, 2, 3, 5, 6) for g in (32, 64, 128)] + [(b, 16) for b in (2, 3, 5, 6)],
+)
 def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_count(bits, group):
     codes, s, b = quantized(96, 640, bits, group, seed=bits * group)
     for rows in ROWS:
@@ -54,10 +66,21 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
 # rows of it in blocks of K, the sums carried from one to the next); 6, 5
 # and 3 bits are not halves': on AVX2 2 rows and more of them go through
 # the scratch, and their codes are unpacked by a shuffle and shifts
-# there (V::codes_bits), by a loop elsewhere.
+# there (V::codes_bits), by a loop elsewhere; groups of 16 (GGUF's Q6_K
+# and Q2_K) give each half of a 32-weight step its own scale.
 @pytest.mark.parametrize(
     ("bits", "k", "group"),
-    [(4, 576, 32), (8, 576, 32), (4, 1536, 128), (8, 1536, 64), (6, 576, 64), (5, 576, 32), (3, 1536, 32)],
+    [
+        (4, 576, 32),
+        (8, 576, 32),
+        (4, 1536, 128),
+        (8, 1536, 64),
+        (6, 576, 64),
+        (5, 576, 32),
+        (3, 1536, 32),
+        (6, 1536, 16),
+        (2, 576, 16),
+    ],
 )
 def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group):
     codes, s, b = quantized(202, k, bits, group, seed=bits)  # a last block of 2 weight rows where a block is 4
@@ -100,7 +123,8 @@ def test_bad_arguments_are_refused_by_name():
     codes, s, b = quantized(8, 64, 4, 32, seed=0)
     cases = [
         ((mx.zeros((1, 64)), codes, s, b, 32, 7), "bits"),
-        ((mx.zeros((1, 64)), codes, s, b, 16, 4), "group_size"),
+        ((mx.zeros((1, 64)), codes, s, b, 16, 4), "group_size"),  # 16 takes the other widths
+        ((mx.zeros((1, 64)), codes, s, b, 24, 4), "group_size"),
         ((mx.zeros((1, 63)), codes, s, b, 32, 4), "last dimension"),
         ((mx.zeros((1, 64)), codes.astype(mx.int32), s, b, 32, 4), "uint32"),
         ((mx.zeros((1, 64)), codes, s[:, :1], b[:, :1], 32, 4), "one value per group"),

@@ -98,19 +98,22 @@ inline void codes(const uint8_t* row, int k, typename V::vec& a, typename V::vec
 }
 
 // The 32 weights of a row from k on, `q * scale + bias` each, in the
-// kernel's order. With 4 bits where the instruction set permutes a
-// register by index (V::TABLE4), the group's 16 possible weights are made
-// once (`table`, V::table: the same fused multiply-add per code) and the
-// codes look them up: the same values, fewer operations.
+// kernel's order: the first 16 by s and b, the last 16 by s_hi and b_hi
+// (the same, but where a group is 16 weights). With 4 bits where the
+// instruction set permutes a register by index (V::TABLE4), the group's
+// 16 possible weights are made once (`table`, V::table: the same fused
+// multiply-add per code) and the codes look them up: the same values,
+// fewer operations.
 template <class V, int BITS>
 inline void weights32(const uint8_t* row, int k, const typename V::vec& s, const typename V::vec& b,
-                      const typename V::vec& table, typename V::vec& lo, typename V::vec& hi) {
+                      const typename V::vec& s_hi, const typename V::vec& b_hi, const typename V::vec& table,
+                      typename V::vec& lo, typename V::vec& hi) {
   if constexpr (BITS == 4 && V::TABLE4) {
     V::lookup4(row + k / 2, table, lo, hi);
   } else {
     codes<V, BITS>(row, k, lo, hi);
     lo = V::fma(lo, s, b);
-    hi = V::fma(hi, s, b);
+    hi = V::fma(hi, s_hi, b_hi);
   }
 }
 
@@ -123,17 +126,23 @@ inline typename V::vec table_of(const typename V::vec& s, const typename V::vec&
   }
 }
 
-// A group's 32-weight steps (its size / 32) as a type: by_group's.
-template <int N>
+// A group's 32-weight steps (its size / 32) as a type: by_group's. HALF:
+// a group is half a step (16 weights), each half of a step has its own
+// scale and bias.
+template <int N, bool HALF = false>
 struct Steps {
   static constexpr int value = N;
+  static constexpr bool half = HALF;
 };
 
-// f(Steps<group / 32>{}) for the model's group size (32, 64 or 128, as
-// check_quantized allows): the loops over groups take their steps as a
-// constant, so a group of 32 is one step with no inner loop to run.
-template <class F>
+// f(Steps<group / 32>{}) for the model's group size (32, 64 or 128, and
+// 16 for widths other than 4 and 8 bits, as check_quantized allows): the
+// loops over groups take their steps as a constant, so a group of 32 is
+// one step with no inner loop to run.
+template <int BITS, class F>
 inline void by_group(int group, F&& f) {
+  if constexpr (BITS != 4 && BITS != 8)
+    if (group == 16) return f(Steps<1, true>{});
   switch (group) {
     case 32:
       return f(Steps<1>{});
@@ -158,21 +167,23 @@ inline void even_passes(int m0, int m1, int most, F&& f) {
 }
 
 // Row n of W dequantized into dst (K floats, in the kernel's order);
-// STEPS: by_group's.
-template <class V, int BITS, kvmux_native::ScaleType ST, int STEPS>
+// STEPS and HALF: by_group's.
+template <class V, int BITS, kvmux_native::ScaleType ST, int STEPS, bool HALF>
 void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
-  const int K = p.K, groups = K / (32 * STEPS);
+  const int K = p.K, groups = K / p.group;
   const uint8_t* row = p.w + size_t(n) * K * BITS / 8;
   const size_t first = size_t(n) * groups;
-  for (int g = 0; g < groups; ++g) {
+  for (int g = 0; g < groups; g += HALF ? 2 : 1) {
     const auto s = V::set1(scale_at<V, ST>(p.scales, first + g));
     const auto b = V::set1(scale_at<V, ST>(p.biases, first + g));
+    const auto s_hi = HALF ? V::set1(scale_at<V, ST>(p.scales, first + g + 1)) : s;
+    const auto b_hi = HALF ? V::set1(scale_at<V, ST>(p.biases, first + g + 1)) : b;
     const auto table = table_of<V, BITS>(s, b);
 #pragma GCC unroll 4
     for (int c = 0; c < STEPS; ++c) {
-      const int k = (g * STEPS + c) * 32;
+      const int k = HALF ? g * 16 : (g * STEPS + c) * 32;
       typename V::vec lo, hi;
-      weights32<V, BITS>(row, k, s, b, table, lo, hi);
+      weights32<V, BITS>(row, k, s, b, s_hi, b_hi, table, lo, hi);
       V::store(dst + k, lo);
       V::store(dst + k + 16, hi);
     }
@@ -197,7 +208,7 @@ constexpr int AHEAD = 1;
 
 // MB rows of x from m0 against the NB weight rows `rows` (their scales
 // and biases as floats, `groups` apart), written to out's columns nb..nb + nn.
-// STEPS: by_group's.
+// STEPS and HALF: by_group's.
 //
 // Where a vector is two registers (AVX2), its 16 hold the sums (8 of
 // them, 4 weight rows by one row of x or 2 by 2) only if nothing else
@@ -213,20 +224,22 @@ constexpr int AHEAD = 1;
 // a ns, 2 and 4 rows 15.1 -> 19.2 and 15.9 -> 20.3 (AMD EPYC, Zen 3).
 // AVX-512's 32 registers held a decode row's sums already: its loops stay
 // as they were (not measured otherwise: that host had no AVX-512).
-template <class V, int BITS, int STEPS, int NB, int MB>
+template <class V, int BITS, int STEPS, bool HALF, int NB, int MB>
 inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
                         const float* bias, int nb, int nn, int m0) {
   constexpr bool TIGHT = V::PARTS > 1;
-  const int K = p.K, groups = K / (32 * STEPS);
+  const int K = p.K, groups = K / p.group;
   const size_t row_bytes = size_t(K) * BITS / 8;
   const float* x = p.x + size_t(m0) * K;
   typename V::vec acc[MB][NB];
   zero_all<V>(acc);
-  for (int g = 0; g < groups; ++g) {
-    typename V::vec s[NB], b[NB], table[NB];
+  for (int g = 0; g < groups; g += HALF ? 2 : 1) {
+    typename V::vec s[NB], b[NB], s_hi[NB], b_hi[NB], table[NB];
     const auto scale_row = [&](int j) {
       s[j] = V::set1(scale[size_t(j) * groups + g]);
       b[j] = V::set1(bias[size_t(j) * groups + g]);
+      s_hi[j] = HALF ? V::set1(scale[size_t(j) * groups + g + 1]) : s[j];
+      b_hi[j] = HALF ? V::set1(bias[size_t(j) * groups + g + 1]) : b[j];
       table[j] = table_of<V, BITS>(s[j], b[j]);
     };
     if constexpr (!TIGHT) {
@@ -235,7 +248,7 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
     }
 #pragma GCC unroll 4
     for (int c = 0; c < STEPS; ++c) {
-      const int k = (g * STEPS + c) * 32;
+      const int k = HALF ? g * 16 : (g * STEPS + c) * 32;
       // The rows AHEAD blocks on, a cache line at a time: the
       // prefetchers follow a row's stream, not the jump to the next rows.
       if ((k * BITS / 8) % 64 == 0)
@@ -249,7 +262,7 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
         for (int j = 0; j < NB; ++j) {
           if constexpr (TIGHT) scale_row(j);
           typename V::vec lo, hi;
-          weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo, hi);
+          weights32<V, BITS>(rows[j], k, s[j], b[j], s_hi[j], b_hi[j], table[j], lo, hi);
 #pragma GCC unroll 8
           for (int i = 0; i < MB; ++i) {
             const float* xi = x + size_t(i) * K + k;
@@ -264,7 +277,8 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       // multiply-add instead, its NB loads bound the loop.
       typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) weights32<V, BITS>(rows[j], k, s[j], b[j], table[j], lo[j], hi[j]);
+      for (int j = 0; j < NB; ++j)
+        weights32<V, BITS>(rows[j], k, s[j], b[j], s_hi[j], b_hi[j], table[j], lo[j], hi[j]);
 #pragma GCC unroll 9
       for (int i = 0; i < MB; ++i) {
         const auto xlo = V::load_once(x + size_t(i) * K + k);
@@ -296,8 +310,9 @@ inline void direct_pass(int take, const kvmux_native::Problem& p, const uint8_t*
                         const float* bias, int nb, int nn, int m0) {
   if constexpr (MB > 1)
     if (take < MB) return direct_pass<V, BITS, NB, MB - 1>(take, p, rows, scale, bias, nb, nn, m0);
-  by_group(p.group, [&](auto steps) {
-    direct_rows<V, BITS, decltype(steps)::value, NB, MB>(p, rows, scale, bias, nb, nn, m0);
+  by_group<BITS>(p.group, [&](auto steps) {
+    using S = decltype(steps);
+    direct_rows<V, BITS, S::value, S::half, NB, MB>(p, rows, scale, bias, nb, nn, m0);
   });
 }
 
@@ -415,7 +430,7 @@ void halves(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
   float* scale = converted.data();  // two weight rows' scales, then their biases
   float* bias = scale + 2 * groups;
   const bool pairs = rows <= PAIR_ROWS;
-  by_group(p.group, [&](auto steps) {
+  by_group<BITS>(p.group, [&](auto steps) {
     constexpr int STEPS = decltype(steps)::value;
     for (int nb = n0; nb < n1; nb += HALF_WEIGHT_ROWS) {
       const int ne = n1 - nb < HALF_WEIGHT_ROWS ? n1 : nb + HALF_WEIGHT_ROWS;
@@ -557,9 +572,9 @@ void tile_rows(int rows, const float* x, int ldx, const float* w, int K, float* 
 template <class V, int BITS, kvmux_native::ScaleType ST, int NB, int MB>
 void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   const int K = p.K;
-  by_group(p.group, [&](auto steps) {
-    for (int n = n0; n < n1; ++n)
-      dequantize_row<V, BITS, ST, decltype(steps)::value>(p, n, scratch + size_t(n - n0) * K);
+  by_group<BITS>(p.group, [&](auto steps) {
+    using S = decltype(steps);
+    for (int n = n0; n < n1; ++n) dequantize_row<V, BITS, ST, S::value, S::half>(p, n, scratch + size_t(n - n0) * K);
   });
   for (int nb = n0; nb < n1; nb += NB) {
     const float* w = scratch + size_t(nb - n0) * K;

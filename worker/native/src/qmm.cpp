@@ -433,8 +433,12 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
   auto fail = [&](const std::string& what) { throw std::invalid_argument("[kvmux_native." + op + "] " + what); };
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    fail("group_size must be 32, 64 or 128, not " + std::to_string(group_size));
+  // 16 (GGUF's Q6_K, Q3_K and Q2_K) for the widths whose kernels take a
+  // scale per 16 weights; 4 and 8 bits' (halves, TABLE4, int8) take one
+  // per 32 at most.
+  const bool sixteen = group_size == 16 && bits != 4 && bits != 8;
+  if (!sixteen && group_size != 32 && group_size != 64 && group_size != 128)
+    fail("group_size must be 32, 64 or 128 (or 16 with 2, 3, 5 or 6 bits), not " + std::to_string(group_size));
   if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array of packed codes");
   if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype())
     fail("scales and biases must be 2-D arrays of one shape and dtype");
