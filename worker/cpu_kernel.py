@@ -124,13 +124,15 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     (a tied embedding) is kvmux_native's product."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.dequantize(
-            self["weight"][x],
-            scales=self["scales"][x].astype(mx.float32),
-            biases=self["biases"][x].astype(mx.float32),
-            group_size=self.group_size,
-            bits=self.bits,
-        )
+        scales, biases = self["scales"][x].astype(mx.float32), self["biases"][x].astype(mx.float32)
+        if self.group_size >= 32:
+            return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+        # Groups of 16 (GGUF's Q6_K, Q3_K, Q2_K), which mx.dequantize does
+        # not take: the codes, then q * scale + bias, the same values (a
+        # code times such a scale is exact: worker/gguf_file.py).
+        ones = mx.ones((*scales.shape[:-1], scales.shape[-1] // 2), mx.float32)
+        q = mx.dequantize(self["weight"][x], ones, mx.zeros_like(ones), group_size=32, bits=self.bits)
+        return (q.reshape(*scales.shape, 16) * scales[..., None] + biases[..., None]).reshape(q.shape)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return kvmux_native.qmatmul(

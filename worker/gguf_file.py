@@ -1,7 +1,7 @@
 """GGUF files: the header (metadata and tensor table), and the tensors as
 MLX arrays in the two forms worker/model.py loads: float arrays, or MLX's
 affine quantized triplets (`name.weight` packed uint32, `name.scales`,
-`name.biases`, `GROUP_SIZE` weights a scale).
+`name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS`).
 
 Q4_0, Q4_1 and Q8_0 blocks already are that affine code (`w = scale * q +
 bias` per 32 weights): they become triplets losslessly, as MLX's own GGUF
@@ -12,14 +12,16 @@ such a file is read tensor by tensor: those three still become triplets
 here, and so do Q5_0 and Q5_1 (5-bit codes, a scale and a minimum per 32
 weights: MLX's 5-bit layout), Q4_K and Q5_K (a scale and a minimum per 32
 weights: with float32 scales `d * sc` and biases `-dmin * m` their weights
-are exactly the gguf package's); the rest are dequantized to float32 by the
-gguf package (llama.cpp's gguf-py: the values llama.cpp computes with).
-Q6_K's 16-weight groups have no exact form in MLX's layout, so they stay
-float32 on a CPU. Where weights stay quantized on a GPU (`requantize`)
-every encoding but the affine five, Q4_K and Q5_K included, is quantized
-again by mx.quantize, at the narrowest MLX width holding the encoding's
-(Q4_K: 4 bits, Q6_K: 6): MLX's GPU kernels take no float32 scales and no
-K-quant code of their own.
+are exactly the gguf package's). Q6_K, Q3_K and Q2_K have a scale per 16
+weights: MLX's layout takes no groups of 16, but kvmux_native's kernel
+does, so where it runs (`sixteens`) they become triplets of 16-weight
+groups with float32 scales, exactly too (`_sixteens`). The rest are
+dequantized to float32 by the gguf package (llama.cpp's gguf-py: the
+values llama.cpp computes with). Where weights stay quantized on a GPU
+(`requantize`) every encoding but the affine five, the K-quants included,
+is quantized again by mx.quantize, at the narrowest MLX width holding the
+encoding's (Q4_K: 4 bits, Q6_K: 6): MLX's GPU kernels take no float32
+scales and no K-quant code of their own.
 
 The header is parsed here, not by gguf.GGUFReader, which makes a numpy view
 per element of the tokenizer's arrays: 12 s for Gemma 3's 262k-token
@@ -43,6 +45,7 @@ FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}  # BF16 read 
 AFFINE = {Q.Q4_0, Q.Q4_1, Q.Q8_0}  # what mx.load reads
 EXACT = AFFINE | {Q.Q5_0, Q.Q5_1}  # MLX's layout with float16 scales, as they are
 K_QUANTS = {Q.Q4_K, Q.Q5_K}  # MLX's layout with float32 scales (not on a GPU)
+SIXTEENS = {Q.Q6_K: 6, Q.Q3_K: 3, Q.Q2_K: 2}  # 16-weight groups, float32 scales: kvmux_native's kernel only
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 
 # GGUF metadata value types: struct codes of the scalars, and numpy types of
@@ -129,10 +132,11 @@ def read_header(path: Path) -> Header:
     return Header(meta, [Tensor(name, enc, shape, start + offset) for name, enc, shape, offset in table])
 
 
-def read_tensors(path: Path, header: Header, requantize: bool) -> dict[str, mx.array]:
+def read_tensors(path: Path, header: Header, requantize: bool, sixteens: bool = False) -> dict[str, mx.array]:
     """Every tensor: floats as stored, triplets for the affine encodings
-    (Q4_K and Q5_K too, unless `requantize`), the rest float32 (or quantized
-    again, `requantize`)."""
+    (Q4_K and Q5_K too, unless `requantize`; Q6_K, Q3_K and Q2_K in groups
+    of 16 where `sixteens`), the rest float32 (or quantized again,
+    `requantize`)."""
     check(header)
     if header.encodings <= FLOATS.keys() | AFFINE:
         return mx.load(str(path))
@@ -146,7 +150,11 @@ def read_tensors(path: Path, header: Header, requantize: bool) -> dict[str, mx.a
         if tensor.encoding in FLOATS:
             array = mx.array(raw.view(FLOATS[tensor.encoding]).reshape(tensor.shape))
             weights[tensor.name] = array.view(mx.bfloat16) if tensor.encoding == Q.BF16 else array
-        elif tensor.encoding in EXACT or (tensor.encoding in K_QUANTS and not requantize):
+        elif (
+            tensor.encoding in EXACT
+            or (tensor.encoding in K_QUANTS and not requantize)
+            or (tensor.encoding in SIXTEENS and sixteens)
+        ):
             triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
             for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
                 weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
@@ -191,11 +199,13 @@ def decodable(encoding: Q) -> bool:
 
 
 def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K or Q5_K as
+    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 or a K-quant as
     MLX's packed weights, scales and biases (what mx.load makes of the first
     three)."""
     if encoding in K_QUANTS:
         return _k_quant(blocks, encoding)
+    if encoding in SIXTEENS:
+        return _sixteens(blocks, encoding)
     scale = blocks[..., :2].copy().view(np.float16)[..., 0]
     if encoding == Q.Q8_0:  # int8 q: w = d * q = d * (q + 128) - 128 d
         return (blocks[..., 2:] ^ np.uint8(0x80)).reshape(len(blocks), -1).view(np.uint32), scale, scale * -128
@@ -256,3 +266,40 @@ def _k_quant(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, n
         codes |= ((fifth.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
     bits = 5 if encoding == Q.Q5_K else 4
     return _packed(codes.reshape(rows, -1), bits), scales.reshape(rows, -1), biases.reshape(rows, -1)
+
+
+def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K, Q3_K or Q2_K super-blocks (256 weights, a scale per 16) as
+    16-weight groups of unsigned codes with float32 scales and biases, in
+    the gguf package's order and values. A scale (`d * sc`: d a float16,
+    sc an int8 at most) times a code has at most 24 significant bits, all
+    float32 holds, so `q * scale + bias` rounds once, as gguf-py's
+    `d * sc * (q - 32)` (Q6_K), `d * sc * (q - 4)` (Q3_K: both exact, the
+    bias a multiple of the scale) and `d * sc * q - dmin * m` (Q2_K) do."""
+    rows = len(blocks)
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    if encoding == Q.Q6_K:  # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d
+        ql = flat[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        qh = flat[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        codes = (ql & np.uint8(0x0F)).reshape(-1, 256) | ((qh & np.uint8(3)) << np.uint8(4)).reshape(-1, 256)
+        d = flat[:, 208:210].copy().view(np.float16).astype(np.float32)
+        scales = d * flat[:, 192:208].view(np.int8).astype(np.float32)
+        biases = scales * np.float32(-32)
+    elif encoding == Q.Q3_K:  # 32 bytes of high bits, 64 of low 2 bits, 12 of 6-bit scales, d
+        low = flat[:, 32:96].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        high = flat[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        codes = (low & np.uint8(3)).reshape(-1, 256) | ((high & np.uint8(1)) << np.uint8(2)).reshape(-1, 256)
+        packed = flat[:, 96:108]
+        lows = (packed[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+        highs = (packed[:, 8:].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
+        sc = ((lows & np.uint8(0x0F)) | ((highs & np.uint8(3)) << np.uint8(4))).astype(np.float32) - 32
+        d = flat[:, 108:110].copy().view(np.float16).astype(np.float32)
+        scales = d * sc  # a weight is scale * (q - 4), q the 3 bits (the high bit set: no offset)
+        biases = scales * np.float32(-4)
+    else:  # Q2_K: 16 bytes of 4-bit scales and minimums, 64 of 2-bit codes, d, dmin
+        codes = (flat[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        d = flat[:, 80:82].copy().view(np.float16).astype(np.float32)
+        dmin = flat[:, 82:84].copy().view(np.float16).astype(np.float32)
+        scales = d * (flat[:, :16] & np.uint8(0x0F)).astype(np.float32)
+        biases = -(dmin * (flat[:, :16] >> np.uint8(4)).astype(np.float32))
+    return _packed(codes.reshape(rows, -1), SIXTEENS[encoding]), scales.reshape(rows, -1), biases.reshape(rows, -1)

@@ -145,34 +145,60 @@ def _dequantize_float32(weight: mx.array, scales: mx.array, biases: mx.array, bi
     return w.reshape(*weight.shape[:-1], -1)
 
 
-def _load_gguf(path: Path, keep_quantized: bool, part: Part | None = None) -> tuple[nn.Module, bool]:
+def _load_gguf(
+    path: Path, keep_quantized: bool, part: Part | None = None, on_kernel: bool = False
+) -> tuple[nn.Module, bool]:
     requantize = keep_quantized and mx.default_device() == mx.gpu  # MLX's GPU kernels: no K-quant codes
     try:
         header = gguf_file.read_header(path)
         architectures.find(header.meta)  # refused before the weights are read
-        model, weights = architectures.build(header.meta, gguf_file.read_tensors(path, header, requantize))
+        tensors = gguf_file.read_tensors(path, header, requantize, sixteens=on_kernel)
+        model, weights = architectures.build(header.meta, tensors)
     except ValueError as exc:  # refused: the worker exits 2
         raise ValueError(f"{path.name}: {exc}") from None
     if part is not None:
         weights = part.keep(model, weights)
-    # Quantized tensors arrive as weight/scales/biases, bits varying per
-    # tensor: packed uint32 columns per scale group give the bit width.
-    bits = {
-        name[: -len(".scales")]: weights[name[: -len(".scales")] + ".weight"].shape[-1] // weights[name].shape[-1]
-        for name in weights
-        if name.endswith(".scales")
-    }
-    if bits and keep_quantized:
-        nn.quantize(
-            model,
-            class_predicate=lambda p, _m: {"group_size": gguf_file.GROUP_SIZE, "bits": bits[p]} if p in bits else False,
-        )
-    elif bits:
-        for prefix, b in bits.items():
+    layouts = _layouts(model, weights)
+    if layouts and keep_quantized:
+        _quantize(model, layouts, weights)
+    elif layouts:
+        for prefix, (bits, _) in layouts.items():
             q = (weights.pop(f"{prefix}.{piece}") for piece in ("weight", "scales", "biases"))
-            weights[f"{prefix}.weight"] = _dequantize_float32(*q, bits=b)
+            weights[f"{prefix}.weight"] = _dequantize_float32(*q, bits=bits)
     model.load_weights(list(weights.items()), strict=True)
-    return model, bool(bits) and keep_quantized
+    return model, bool(layouts) and keep_quantized
+
+
+def _layouts(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, tuple[int, int]]:
+    """Each quantized tensor's bits and group size (they vary per tensor),
+    from the width K of the float layer it replaces: its packed uint32
+    columns are K * bits / 32, its scales K / group."""
+    modules = dict(model.named_modules())
+    layouts = {}
+    for name, scales in weights.items():
+        if name.endswith(".scales"):
+            prefix = name.removesuffix(".scales")
+            k = modules[prefix].weight.shape[-1]
+            layouts[prefix] = (weights[f"{prefix}.weight"].shape[-1] * 32 // k, k // scales.shape[-1])
+    return layouts
+
+
+def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int]], weights: dict[str, mx.array]) -> None:
+    """The quantized tensors' layers made MLX's quantized classes, to be
+    loaded with `weights`. MLX's quantize makes no groups of 16 (only
+    kvmux_native's kernel multiplies them: gguf_file's `sixteens`), so
+    such a layer is made with groups of 32 and then given its own."""
+    nn.quantize(
+        model,
+        class_predicate=lambda p, _m: (
+            {"group_size": max(32, layouts[p][1]), "bits": layouts[p][0]} if p in layouts else False
+        ),
+    )
+    modules = dict(model.named_modules())
+    for prefix, (_, group) in layouts.items():
+        if group == 16:
+            modules[prefix].group_size = group
+            modules[prefix].update({part: weights[f"{prefix}.{part}"] for part in ("scales", "biases")})
 
 
 def _to_cpu_float32(model: nn.Module) -> nn.Module:
@@ -221,7 +247,7 @@ def load(
             f"cpu_products {products} needs kvmux_native's CPU kernel, and this worker has none ({reason})"
         )
     if path.suffix == ".gguf":
-        model, quantized = _load_gguf(path, keep_quantized, part)
+        model, quantized = _load_gguf(path, keep_quantized, part, on_kernel)
         tokenizer = None
         if part is None or part.rank == 0:  # a later rank of a group sees no text (nor transformers)
             tokenizer = gguf_tokenizer.load(path)
