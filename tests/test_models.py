@@ -252,11 +252,12 @@ def test_architectures_compute_as_transformers(tmp_path, arch):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_k_quant_file_on_the_kernel_computes_as_its_float32_copy(tmp_path):
-    """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights),
-    its tied embedding Q6_K: on kvmux_native's kernel its layers keep them
-    in groups of 16 (fused layer ops, the embedding's rows and its use as
-    the head), and its logits equal those of the float32 copy gguf-py
+def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path):
+    """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights)
+    and IQ4_XS and IQ4_NL (4-bit indices into a table), its tied embedding
+    Q6_K: on kvmux_native's kernel its layers keep them quantized (groups
+    of 16, 8-bit codes; fused layer ops, the embedding's rows and its use
+    as the head), and its logits equal those of the float32 copy gguf-py
     decodes, up to the order of the sums."""
     pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
     from gguf import GGMLQuantizationType as Q
@@ -267,8 +268,8 @@ def test_a_k_quant_file_on_the_kernel_computes_as_its_float32_copy(tmp_path):
 
     rng = np.random.default_rng(1)
     hidden, layers, vocab = 256, 2, 96
-    encodings = {"attn_q": Q.Q6_K, "attn_k": Q.Q3_K, "attn_v": Q.Q6_K, "attn_output": Q.Q2_K}
-    encodings |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.Q2_K, "ffn_down": Q.Q6_K}
+    encodings = {"attn_q": Q.Q6_K, "attn_k": Q.Q3_K, "attn_v": Q.Q2_K, "attn_output": Q.IQ4_XS}
+    encodings |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_NL, "ffn_down": Q.Q6_K}
     shapes = {"attn_k": 128, "attn_v": 128}  # 2 KV heads of 64
     tensors = {"token_embd.weight": (Q.Q6_K, _blocks(rng, Q.Q6_K, vocab, hidden, 1e-4))}
     tensors["output_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
@@ -302,7 +303,12 @@ def test_a_k_quant_file_on_the_kernel_computes_as_its_float32_copy(tmp_path):
     copy, _ = _load_gguf(tmp_path / "k.gguf", keep_quantized=False)
     kept = [(p, m.bits) for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert quantized and len(kept) == 1 + 7 * layers
-    assert {m.group_size for _, m in model.named_modules() if hasattr(m, "group_size")} == {16}
+    assert {(m.bits, m.group_size) for _, m in model.named_modules() if hasattr(m, "group_size")} == {
+        (6, 16),
+        (3, 16),
+        (2, 16),
+        (8, 32),
+    }
     assert all(cpu_kernel.fused(layer) for layer in model.model.layers)
     ids = mx.array([rng.integers(0, vocab, 12).tolist()])
     embedded = model.model.embed_tokens(ids)
@@ -433,8 +439,9 @@ def _blocks(rng, encoding, rows: int, cols: int, d: float = 1e-3) -> np.ndarray:
 
     block, size = GGML_QUANT_SIZES[encoding]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    # Q4_K, Q5_K: d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin last
-    for at in {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108], Q.Q2_K: [80, 82]}[encoding]:
+    # Q4_K, Q5_K: d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin last; IQ4_NL, IQ4_XS: d first
+    offsets = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108], Q.Q2_K: [80, 82]}
+    for at in (offsets | {Q.IQ4_NL: [0], Q.IQ4_XS: [0]})[encoding]:
         raw[..., at : at + 2] = rng.uniform(d, 10 * d, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
@@ -567,6 +574,33 @@ def _q2_k(raw: np.ndarray) -> np.ndarray:
     return np.array(out, np.float32).reshape(raw.shape[0], -1)
 
 
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
+
+
+def _iq4_nl(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_iq4_nl, transcribed."""
+    out = []
+    for block in raw.reshape(-1, 18):
+        d, qs = block[0:2].view(np.float16).astype(np.float32)[0], block[2:]
+        out += [d * np.float32(IQ4_VALUES[q & 0xF]) for q in qs] + [d * np.float32(IQ4_VALUES[q >> 4]) for q in qs]
+    return np.array(out, np.float32).reshape(raw.shape[0], -1)
+
+
+def _iq4_xs(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_iq4_xs, transcribed."""
+    out = []
+    for block in raw.reshape(-1, 136):
+        d = block[0:2].view(np.float16).astype(np.float32)[0]
+        scales_h, scales_l, qs = int(block[2:4].view(np.uint16)[0]), block[4:8], block[8:]
+        for ib in range(8):
+            ls = ((scales_l[ib // 2] >> 4 * (ib % 2)) & 0xF) | (((scales_h >> 2 * ib) & 3) << 4)
+            dl, part = d * np.float32(int(ls) - 32), qs[16 * ib : 16 * ib + 16]
+            out += [dl * np.float32(IQ4_VALUES[q & 0xF]) for q in part] + [
+                dl * np.float32(IQ4_VALUES[q >> 4]) for q in part
+            ]
+    return np.array(out, np.float32).reshape(raw.shape[0], -1)
+
+
 def test_block_encodings_decode_as_llama_cpp(tmp_path):
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -580,6 +614,8 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
         "k6.weight": (Q.Q6_K, _blocks(rng, Q.Q6_K, 8, 512)),
         "k3.weight": (Q.Q3_K, _blocks(rng, Q.Q3_K, 8, 512)),
         "k2.weight": (Q.Q2_K, _blocks(rng, Q.Q2_K, 8, 512)),
+        "nl.weight": (Q.IQ4_NL, _blocks(rng, Q.IQ4_NL, 8, 512)),
+        "xs.weight": (Q.IQ4_XS, _blocks(rng, Q.IQ4_XS, 8, 512)),
     }
     x = rng.standard_normal((8, 256)).astype(np.float32)
     affine = {f"{e.name}.weight": (e, gguf.quants.quantize(x, e)) for e in (Q.Q4_0, Q.Q4_1, Q.Q8_0)}
@@ -588,7 +624,7 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     _write(tmp_path / "affine.gguf", affine)
     _write(tmp_path / "mixed.gguf", {**k_quants, **affine, **fives})
     header = gguf_file.read_header(tmp_path / "mixed.gguf")
-    assert header.encodings == {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
+    assert header.encodings == {e for e, _ in k_quants.values()} | {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1}
     ours = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False)
 
     # Q4_0, Q4_1, Q8_0: the triplets MLX's reader makes of a file it reads whole, bit for bit.
@@ -612,26 +648,29 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     for name, minimum in (("Q5_0", False), ("Q5_1", True)):
         assert ours[f"{name}.scales"].dtype == mx.float16
         assert np.array_equal(weights(name, 5), _q5_01(fives[f"{name}.weight"][1], minimum)), name
-    assert ours["k6.weight"].dtype == ours["k3.weight"].dtype == ours["k2.weight"].dtype == mx.float32
+    assert all(ours[f"{name}.weight"].dtype == mx.float32 for name in ("k6", "k3", "k2", "nl", "xs"))
 
     # Where kvmux_native's kernel runs: Q6_K, Q3_K and Q2_K as triplets of
-    # 16-weight groups (float32 scales), llama.cpp's weights bit for bit.
-    sixteens = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False, sixteens=True)
-    for name, bits, transcribed in (("k6", 6, _q6_k), ("k3", 3, _q3_k), ("k2", 2, _q2_k)):
-        codes, s, b = (sixteens[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
-        assert s.dtype == mx.float32 and s.shape == (8, 512 // 16), name
+    # 16-weight groups (float32 scales), IQ4_NL and IQ4_XS as 8-bit codes,
+    # llama.cpp's weights bit for bit as the kernel makes them (q * scale +
+    # bias in one rounding: here in float64, then float32).
+    kernel = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False, kernel=True)
+    cases = [("k6", 6, 16, _q6_k), ("k3", 3, 16, _q3_k), ("k2", 2, 16, _q2_k), ("nl", 8, 32, _iq4_nl)]
+    for name, bits, group, transcribed in [*cases, ("xs", 8, 32, _iq4_xs)]:
+        codes, s, b = (kernel[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
+        assert s.shape == (8, 512 // group) and s.dtype == (mx.float16 if name == "nl" else mx.float32), name
         ones = mx.ones((8, 512 // 32), mx.float32)
-        q = mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits).reshape(8, -1, 16)
-        assert np.array_equal(
-            np.array(q * s[..., None] + b[..., None]).reshape(8, -1), transcribed(k_quants[f"{name}.weight"][1])
-        ), name
+        q = np.array(mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits), np.float64)
+        s, b = (np.array(a.astype(mx.float32), np.float64)[..., None] for a in (s, b))
+        w = (q.reshape(8, -1, group) * s + b).astype(np.float32).reshape(8, -1)
+        assert np.array_equal(w, transcribed(k_quants[f"{name}.weight"][1])), name
 
     # Quantized again (a GPU): MLX triplets, the K-quants at their own
     # width, Q5_0 and Q5_1 as they are (MLX's own 5-bit layout).
     kept = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=True)
-    names = ("k4", "k5", "k6", "k3", "k2", "Q5_0", "Q5_1")
+    names = ("k4", "k5", "k6", "k3", "k2", "nl", "xs", "Q5_0", "Q5_1")
     widths = {name: kept[f"{name}.weight"].shape[-1] // kept[f"{name}.scales"].shape[-1] for name in names}
-    assert widths == {"k4": 4, "k5": 5, "k6": 6, "k3": 3, "k2": 2, "Q5_0": 5, "Q5_1": 5}
+    assert widths == {"k4": 4, "k5": 5, "k6": 6, "k3": 3, "k2": 2, "nl": 4, "xs": 4, "Q5_0": 5, "Q5_1": 5}
     assert mx.array_equal(kept["Q5_1.weight"], ours["Q5_1.weight"]).item()
 
 

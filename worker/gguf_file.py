@@ -12,11 +12,13 @@ such a file is read tensor by tensor: those three still become triplets
 here, and so do Q5_0 and Q5_1 (5-bit codes, a scale and a minimum per 32
 weights: MLX's 5-bit layout), Q4_K and Q5_K (a scale and a minimum per 32
 weights: with float32 scales `d * sc` and biases `-dmin * m` their weights
-are exactly the gguf package's). Q6_K, Q3_K and Q2_K have a scale per 16
-weights: MLX's layout takes no groups of 16, but kvmux_native's kernel
-does, so where it runs (`sixteens`) they become triplets of 16-weight
-groups with float32 scales, exactly too (`_sixteens`). The rest are
-dequantized to float32 by the gguf package (llama.cpp's gguf-py: the
+are exactly the gguf package's). Where kvmux_native's kernel runs
+(`kernel`) two more kinds stay quantized, exactly too: Q6_K, Q3_K and Q2_K,
+which have a scale per 16 weights, as triplets of 16-weight groups with
+float32 scales (`_sixteens`: MLX's layout takes no groups of 16, the
+kernel does), and IQ4_NL and IQ4_XS, whose 4-bit codes index a table of
+16 int8 values, as 8-bit codes of those values (`_nonlinear`). The rest
+are dequantized to float32 by the gguf package (llama.cpp's gguf-py: the
 values llama.cpp computes with). Where weights stay quantized on a GPU
 (`requantize`) every encoding but the affine five, the K-quants included,
 is quantized again by mx.quantize, at the narrowest MLX width holding the
@@ -38,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import Q4_K, dequantize
+from gguf.quants import IQ4_NL, Q4_K, dequantize
 
 GROUP_SIZE = 32
 FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}  # BF16 read as its bits
@@ -46,6 +48,7 @@ AFFINE = {Q.Q4_0, Q.Q4_1, Q.Q8_0}  # what mx.load reads
 EXACT = AFFINE | {Q.Q5_0, Q.Q5_1}  # MLX's layout with float16 scales, as they are
 K_QUANTS = {Q.Q4_K, Q.Q5_K}  # MLX's layout with float32 scales (not on a GPU)
 SIXTEENS = {Q.Q6_K: 6, Q.Q3_K: 3, Q.Q2_K: 2}  # 16-weight groups, float32 scales: kvmux_native's kernel only
+NONLINEAR = {Q.IQ4_NL, Q.IQ4_XS}  # 8-bit codes of their table's values: kvmux_native's kernel only
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 
 # GGUF metadata value types: struct codes of the scalars, and numpy types of
@@ -132,11 +135,11 @@ def read_header(path: Path) -> Header:
     return Header(meta, [Tensor(name, enc, shape, start + offset) for name, enc, shape, offset in table])
 
 
-def read_tensors(path: Path, header: Header, requantize: bool, sixteens: bool = False) -> dict[str, mx.array]:
+def read_tensors(path: Path, header: Header, requantize: bool, kernel: bool = False) -> dict[str, mx.array]:
     """Every tensor: floats as stored, triplets for the affine encodings
-    (Q4_K and Q5_K too, unless `requantize`; Q6_K, Q3_K and Q2_K in groups
-    of 16 where `sixteens`), the rest float32 (or quantized again,
-    `requantize`)."""
+    (Q4_K and Q5_K too, unless `requantize`; SIXTEENS and NONLINEAR where
+    kvmux_native's kernel multiplies them, `kernel`), the rest float32 (or
+    quantized again, `requantize`)."""
     check(header)
     if header.encodings <= FLOATS.keys() | AFFINE:
         return mx.load(str(path))
@@ -153,7 +156,7 @@ def read_tensors(path: Path, header: Header, requantize: bool, sixteens: bool = 
         elif (
             tensor.encoding in EXACT
             or (tensor.encoding in K_QUANTS and not requantize)
-            or (tensor.encoding in SIXTEENS and sixteens)
+            or (tensor.encoding in SIXTEENS.keys() | NONLINEAR and kernel)
         ):
             triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
             for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
@@ -206,6 +209,8 @@ def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np
         return _k_quant(blocks, encoding)
     if encoding in SIXTEENS:
         return _sixteens(blocks, encoding)
+    if encoding in NONLINEAR:
+        return _nonlinear(blocks, encoding)
     scale = blocks[..., :2].copy().view(np.float16)[..., 0]
     if encoding == Q.Q8_0:  # int8 q: w = d * q = d * (q + 128) - 128 d
         return (blocks[..., 2:] ^ np.uint8(0x80)).reshape(len(blocks), -1).view(np.uint32), scale, scale * -128
@@ -221,7 +226,7 @@ def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """A 32-weight block's 16 bytes: weights 0-15 in their low nibbles, 16-31
-    in their high ones (Q4_0, Q4_1, Q5_0, Q5_1)."""
+    in their high ones (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS)."""
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
 
@@ -303,3 +308,28 @@ def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, 
         scales = d * (flat[:, :16] & np.uint8(0x0F)).astype(np.float32)
         biases = -(dmin * (flat[:, :16] >> np.uint8(4)).astype(np.float32))
     return _packed(codes.reshape(rows, -1), SIXTEENS[encoding]), scales.reshape(rows, -1), biases.reshape(rows, -1)
+
+
+def _nonlinear(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_NL blocks (32 weights: d, 16 bytes of 4-bit indices, laid out as
+    Q4_0's) or IQ4_XS super-blocks (256 weights: d, 6-bit scales per 32,
+    the same indices) as 8-bit codes of the indexed value plus 128, scale
+    d (IQ4_XS: `d * (ls - 32)`, float32) and bias -128 times it. The scale
+    has at most 16 significant bits, so `q * scale` (24) and `+ bias` are
+    exact: gguf-py's `scale * value`, at twice the file's bits a code where
+    float32 copies had eight times."""
+    rows = len(blocks)
+    flat = blocks.reshape(-1, blocks.shape[-1])
+    table = (np.array(IQ4_NL.kvalues, np.int16) + 128).astype(np.uint8)
+    d = flat[:, :2].copy().view(np.float16)
+    if encoding == Q.IQ4_NL:
+        indices, scales = _nibbles(flat[:, 2:]), d[:, 0]
+    else:  # d, 2 bytes of scales' high 2 bits, 4 of their low 4, then 8 x 16 bytes of indices
+        high = (flat[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+        low = (flat[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], np.uint8).reshape(1, 1, 2)).reshape(-1, 8) & 0x0F
+        ls = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+        indices = _nibbles(flat[:, 8:].reshape(-1, 8, 16))
+        scales = d.astype(np.float32) * ls
+    codes = table[indices].reshape(rows, -1)
+    scales = scales.reshape(rows, -1)
+    return codes.view(np.uint32), scales, scales * scales.dtype.type(-128)

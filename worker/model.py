@@ -152,7 +152,7 @@ def _load_gguf(
     try:
         header = gguf_file.read_header(path)
         architectures.find(header.meta)  # refused before the weights are read
-        tensors = gguf_file.read_tensors(path, header, requantize, sixteens=on_kernel)
+        tensors = gguf_file.read_tensors(path, header, requantize, kernel=on_kernel)
         model, weights = architectures.build(header.meta, tensors)
     except ValueError as exc:  # refused: the worker exits 2
         raise ValueError(f"{path.name}: {exc}") from None
@@ -186,7 +186,7 @@ def _layouts(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, tuple[
 def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int]], weights: dict[str, mx.array]) -> None:
     """The quantized tensors' layers made MLX's quantized classes, to be
     loaded with `weights`. MLX's quantize makes no groups of 16 (only
-    kvmux_native's kernel multiplies them: gguf_file's `sixteens`), so
+    kvmux_native's kernel multiplies them: gguf_file's SIXTEENS), so
     such a layer is made with groups of 32 and then given its own."""
     nn.quantize(
         model,
