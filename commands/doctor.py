@@ -34,7 +34,30 @@ def _gguf(path: Path) -> tuple[str, bool]:
     except (OSError, ValueError) as exc:
         return f"{path}: refused: {exc}", False
     encodings = " ".join(sorted(e.name for e in header.encodings))
-    return f"{path}: {header.meta['general.architecture']}, {encodings}", True
+    return f"{path}: {header.meta['general.architecture']}, {encodings}{_held(header.encodings)}", True
+
+
+def _held(encodings: set) -> str:
+    """How a worker here would hold a file's quantized tensors: as stored,
+    or float32 (or on a GPU quantized again by MLX)."""
+    import mlx.core as mx
+
+    from kvmux.worker import cpu_kernel, gguf_file
+
+    quantized = encodings - gguf_file.FLOATS.keys()
+    gpu = mx.default_device() == mx.gpu
+    kernel = not gpu and cpu_kernel.select(os.environ.get("KVMUX_CPU_KERNEL", "auto")).isa is not None
+    if not quantized:
+        return ""
+    if not gpu and not kernel:
+        return " (float32 copies: the CPU kernel does not run)"
+    stored = {e for e in quantized if gguf_file.as_stored(e, requantize=gpu, kernel=kernel)}
+    parts = [f"as stored: {' '.join(sorted(e.name for e in stored))}"] if stored else []
+    if quantized - stored:
+        parts.append(
+            f"{'quantized again' if gpu else 'float32'}: {' '.join(sorted(e.name for e in quantized - stored))}"
+        )
+    return f" ({'; '.join(parts)})"
 
 
 def _cpu_kernel() -> tuple[str, bool]:

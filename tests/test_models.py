@@ -315,6 +315,12 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path):
     assert mx.array_equal(embedded, copy.model.embed_tokens(ids)).item()  # the rows: gguf-py's values exactly
     got, want = model(ids), copy(ids)
     assert mx.abs(got - want).max().item() < 1e-4 * mx.abs(want).max().item()
+    # What `kvmux doctor --model` says of it: every quantized tensor as stored.
+    doctor = subprocess.run(
+        kvmux_command("doctor", "--model", str(tmp_path / "k.gguf"), "--timeout", "0.1"), capture_output=True, text=True
+    )
+    [line] = [line for line in doctor.stdout.splitlines() if line.split()[1:2] == ["model"]]
+    assert line.endswith("(as stored: IQ4_NL IQ4_XS Q2_K Q3_K Q6_K)"), line
 
 
 def test_llama3_rope_freqs_compute_as_transformers(tmp_path):

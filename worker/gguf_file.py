@@ -153,11 +153,7 @@ def read_tensors(path: Path, header: Header, requantize: bool, kernel: bool = Fa
         if tensor.encoding in FLOATS:
             array = mx.array(raw.view(FLOATS[tensor.encoding]).reshape(tensor.shape))
             weights[tensor.name] = array.view(mx.bfloat16) if tensor.encoding == Q.BF16 else array
-        elif (
-            tensor.encoding in EXACT
-            or (tensor.encoding in K_QUANTS and not requantize)
-            or (tensor.encoding in SIXTEENS.keys() | NONLINEAR and kernel)
-        ):
+        elif as_stored(tensor.encoding, requantize, kernel):
             triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
             for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
                 weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
@@ -174,6 +170,17 @@ def read_tensors(path: Path, header: Header, requantize: bool, kernel: bool = Fa
             else:
                 weights[tensor.name] = values
     return weights
+
+
+def as_stored(encoding: Q, requantize: bool, kernel: bool) -> bool:
+    """Whether read_tensors keeps a quantized encoding's tensors as the file
+    stores them (MLX triplets), for a GPU (`requantize`) or where
+    kvmux_native's kernel runs (`kernel`)."""
+    return (
+        encoding in EXACT
+        or (encoding in K_QUANTS and not requantize)
+        or (encoding in SIXTEENS.keys() | NONLINEAR and kernel)
+    )
 
 
 def check(header: Header) -> None:
