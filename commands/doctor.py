@@ -42,13 +42,13 @@ def _held(encodings: set) -> str:
     or float32 (or on a GPU quantized again by MLX)."""
     import mlx.core as mx
 
-    from kvmux.worker import cpu_kernel, gguf_file
+    from kvmux.worker import gguf_file
 
     quantized = encodings - gguf_file.FLOATS.keys()
-    gpu = mx.default_device() == mx.gpu
-    kernel = not gpu and cpu_kernel.select(os.environ.get("KVMUX_CPU_KERNEL", "auto")).isa is not None
     if not quantized:
         return ""
+    gpu = mx.default_device() == mx.gpu
+    kernel = not gpu and _chosen_kernel().isa is not None
     if not gpu and not kernel:
         return " (float32 copies: the CPU kernel does not run)"
     stored = {e for e in quantized if gguf_file.as_stored(e, requantize=gpu, kernel=kernel)}
@@ -60,12 +60,19 @@ def _held(encodings: set) -> str:
     return f" ({'; '.join(parts)})"
 
 
+def _chosen_kernel():
+    """The CPU kernel a worker started here would choose ($KVMUX_CPU_KERNEL, else auto)."""
+    from kvmux.worker import cpu_kernel
+
+    return cpu_kernel.select(os.environ.get("KVMUX_CPU_KERNEL", "auto"))
+
+
 def _cpu_kernel() -> tuple[str, bool]:
     """What would multiply a worker's quantized weights here (no weights
     are loaded): BAD only where a CPU falls back for want of the build."""
     from kvmux.worker import cpu_kernel
 
-    kernel = cpu_kernel.select(os.environ.get("KVMUX_CPU_KERNEL", "auto"))
+    kernel = _chosen_kernel()
     if kernel.isa is None:
         built = cpu_kernel.kvmux_native is not None
         return f"{kernel.describe()}: float32 copies of the weights" + (

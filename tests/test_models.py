@@ -439,15 +439,15 @@ def test_llama31_tools_through_the_daemon(llama3, llama3_stack):
 
 
 def _blocks(rng, encoding, rows: int, cols: int, d: float = 1e-3) -> np.ndarray:
-    """Random super-blocks of a K-quant, their float16 d (and dmin) in [d, 10 d)."""
+    """Random blocks of a K-quant or IQ4, their float16 d (and dmin) in [d, 10 d)."""
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
     block, size = GGML_QUANT_SIZES[encoding]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    # Q4_K, Q5_K: d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin last; IQ4_NL, IQ4_XS: d first
+    # Q4_K, Q5_K: d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin last; the IQ4s: d first
     offsets = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108], Q.Q2_K: [80, 82]}
-    for at in (offsets | {Q.IQ4_NL: [0], Q.IQ4_XS: [0]})[encoding]:
+    for at in offsets.get(encoding, [0]):
         raw[..., at : at + 2] = rng.uniform(d, 10 * d, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
