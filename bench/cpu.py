@@ -105,7 +105,7 @@ def kernel_rate(loaded, repeats: int = 20) -> dict:
         mx.eval(step())
         best = min(best, time.perf_counter() - t0)
     modules = [*linears, embed] if head else linears
-    weight_bytes = sum(m.weight.nbytes + m.scales.nbytes + m.biases.nbytes for m in modules)
+    weight_bytes = sum(m[part].nbytes for m in modules for part in ("weight", "scales", "biases") if part in m)
     return {
         "kernel": loaded.kernel.describe(),
         "products": len(modules),

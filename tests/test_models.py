@@ -252,13 +252,14 @@ def test_architectures_compute_as_transformers(tmp_path, arch):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path):
+@pytest.mark.parametrize("embedding", ["Q6_K", "IQ4_XS"])
+def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, embedding):
     """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights)
     and IQ4_XS and IQ4_NL (4-bit indices into a table), its tied embedding
-    Q6_K: on kvmux_native's kernel its layers keep them quantized (groups
-    of 16, 8-bit codes; fused layer ops, the embedding's rows and its use
-    as the head), and its logits equal those of the float32 copy gguf-py
-    decodes, up to the order of the sums."""
+    Q6_K or IQ4_XS: on kvmux_native's kernel its layers keep them quantized
+    (groups of 16, the iq4_nl mode; fused layer ops, the embedding's rows
+    and its use as the head), and its logits equal those of the float32
+    copy gguf-py decodes, up to the order of the sums."""
     pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
     from gguf import GGMLQuantizationType as Q
     from mlx import nn
@@ -271,7 +272,7 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path):
     encodings = {"attn_q": Q.Q6_K, "attn_k": Q.Q3_K, "attn_v": Q.Q2_K, "attn_output": Q.IQ4_XS}
     encodings |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_NL, "ffn_down": Q.Q6_K}
     shapes = {"attn_k": 128, "attn_v": 128}  # 2 KV heads of 64
-    tensors = {"token_embd.weight": (Q.Q6_K, _blocks(rng, Q.Q6_K, vocab, hidden, 1e-4))}
+    tensors = {"token_embd.weight": (Q[embedding], _blocks(rng, Q[embedding], vocab, hidden, 1e-4))}
     tensors["output_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
     for i in range(layers):
         tensors[f"blk.{i}.attn_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
@@ -303,12 +304,13 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path):
     copy, _ = _load_gguf(tmp_path / "k.gguf", keep_quantized=False)
     kept = [(p, m.bits) for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert quantized and len(kept) == 1 + 7 * layers
-    assert {(m.bits, m.group_size) for _, m in model.named_modules() if hasattr(m, "group_size")} == {
-        (6, 16),
-        (3, 16),
-        (2, 16),
-        (8, 32),
+    assert {(m.bits, m.group_size, m.mode) for _, m in model.named_modules() if hasattr(m, "group_size")} == {
+        (6, 16, "affine"),
+        (3, 16, "affine"),
+        (2, 16, "affine"),
+        (4, 32, "iq4_nl"),
     }
+    assert all(("biases" in m) == (m.mode == "affine") for _, m in model.named_modules() if hasattr(m, "mode"))
     assert all(cpu_kernel.fused(layer) for layer in model.model.layers)
     ids = mx.array([rng.integers(0, vocab, 12).tolist()])
     embedded = model.model.embed_tokens(ids)
@@ -657,17 +659,23 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
     assert all(ours[f"{name}.weight"].dtype == mx.float32 for name in ("k6", "k3", "k2", "nl", "xs"))
 
     # Where kvmux_native's kernel runs: Q6_K, Q3_K and Q2_K as triplets of
-    # 16-weight groups (float32 scales), IQ4_NL and IQ4_XS as 8-bit codes,
-    # llama.cpp's weights bit for bit as the kernel makes them (q * scale +
-    # bias in one rounding: here in float64, then float32).
+    # 16-weight groups (float32 scales), IQ4_NL and IQ4_XS as 4-bit codes
+    # and scales without biases (the kernel's iq4_nl: a code's level times
+    # its scale), llama.cpp's weights bit for bit as the kernel makes them
+    # (q * scale + bias in one rounding: here in float64, then float32).
     kernel = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False, kernel=True)
-    cases = [("k6", 6, 16, _q6_k), ("k3", 3, 16, _q3_k), ("k2", 2, 16, _q2_k), ("nl", 8, 32, _iq4_nl)]
-    for name, bits, group, transcribed in [*cases, ("xs", 8, 32, _iq4_xs)]:
-        codes, s, b = (kernel[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
+    cases = [("k6", 6, 16, _q6_k), ("k3", 3, 16, _q3_k), ("k2", 2, 16, _q2_k), ("nl", 4, 32, _iq4_nl)]
+    for name, bits, group, transcribed in [*cases, ("xs", 4, 32, _iq4_xs)]:
+        codes, s = kernel[f"{name}.weight"], kernel[f"{name}.scales"]
         assert s.shape == (8, 512 // group) and s.dtype == (mx.float16 if name == "nl" else mx.float32), name
         ones = mx.ones((8, 512 // 32), mx.float32)
         q = np.array(mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits), np.float64)
-        s, b = (np.array(a.astype(mx.float32), np.float64)[..., None] for a in (s, b))
+        if name in ("nl", "xs"):
+            assert f"{name}.biases" not in kernel
+            q, b = np.array(gguf.quants.IQ4_NL.kvalues, np.float64)[q.astype(int)], np.zeros(1)
+        else:
+            b = np.array(kernel[f"{name}.biases"].astype(mx.float32), np.float64)[..., None]
+        s = np.array(s.astype(mx.float32), np.float64)[..., None]
         w = (q.reshape(8, -1, group) * s + b).astype(np.float32).reshape(8, -1)
         assert np.array_equal(w, transcribed(k_quants[f"{name}.weight"][1])), name
 

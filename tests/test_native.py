@@ -1,6 +1,7 @@
 """kvmux's native CPU ops (worker/native) in this process, on random and
 real weights: the quantized matmul against MLX's own dequantize + matmul
-for every width and group size (groups of 16 too, which MLX has not), a row's bits whatever else the product
+for every width and group size (groups of 16 too, which MLX has not, and
+IQ4_NL's table of 4-bit levels), a row's bits whatever else the product
 holds and whichever instruction set runs it, the fused norm and rope
 against mx.fast's, a layer's fused halves against the separate ops, the
 sampler against mlx-lm's chain and its draws against its distribution,
@@ -15,6 +16,7 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
+from gguf.quants import IQ4_NL
 
 native = pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
 
@@ -25,12 +27,15 @@ ROWS = (1, 2, 3, 8, 17, 64, 300)
 TOLERANCE = 2e-6
 
 
-def quantized(n: int, k: int, bits: int, group: int, seed: int, scales=mx.float16):
+def quantized(n: int, k: int, bits: int, group: int, seed: int, scales=mx.float16, mode="affine"):
     """Random weights in MLX's affine layout, scales and biases as GGUF files
     keep them; groups of 16 (which mx.quantize does not make) with float32
-    scales, as worker/gguf_file.py keeps Q6_K, Q3_K and Q2_K."""
+    scales, as worker/gguf_file.py keeps Q6_K, Q3_K and Q2_K; iq4_nl: 4-bit
+    codes with scales and no biases (None), as it keeps IQ4_NL and IQ4_XS."""
     w = mx.random.normal((n, k), key=mx.random.key(seed))
     codes, s, b = mx.quantize(w, group_size=max(group, 32), bits=bits)
+    if mode == "iq4_nl":
+        return codes, mx.random.uniform(-0.02, 0.02, s.shape, key=mx.random.key(seed + 1)).astype(scales), None
     if group == 16:
         s = mx.random.uniform(0.01, 0.1, (n, k // 16), key=mx.random.key(seed + 1))
         return codes, s, -mx.random.uniform(0, 2, (n, k // 16), key=mx.random.key(seed + 2)) * s
@@ -39,6 +44,11 @@ def quantized(n: int, k: int, bits: int, group: int, seed: int, scales=mx.float1
 
 def reference(x, codes, s, b, group, bits):
     """float32 copies of the weights (the worker's fallback), times x."""
+    if b is None:  # iq4_nl: each code's level times its scale
+        ones = mx.ones((codes.shape[0], s.shape[1] * group // 32), mx.float32)
+        q = mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=4).astype(mx.int32)
+        w = mx.array(IQ4_NL.kvalues, mx.float32)[q].reshape(*s.shape, group) * s[..., None].astype(mx.float32)
+        return x @ w.reshape(q.shape).T
     if group == 16:  # the codes, then q * scale + bias
         ones = mx.ones((codes.shape[0], s.shape[1] // 2), mx.float32)
         q = mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits)
@@ -49,14 +59,17 @@ def reference(x, codes, s, b, group, bits):
 
 
 @pytest.mark.parametrize(
-    ("bits", "group"),
-    [(b, g) for b in (4, 8, 2, 3, 5, 6) for g in (32, 64, 128)] + [(b, 16) for b in (2, 3, 5, 6)],
+    ("bits", "group", "mode"),
+    [(b, g, "affine") for b in (4, 8, 2, 3, 5, 6) for g in (32, 64, 128)]
+    + [(b, 16, "affine") for b in (2, 3, 5, 6)]
+    + [(4, g, "iq4_nl") for g in (32, 64)],
 )
-def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_count(bits, group):
-    codes, s, b = quantized(96, 640, bits, group, seed=bits * group)
+def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_count(bits, group, mode):
+    codes, s, b = quantized(96, 640, bits, group, seed=bits * group, mode=mode)
     for rows in ROWS:
         x = mx.random.normal((rows, 640), key=mx.random.key(rows))
-        got, want = native.qmatmul(x, codes, s, b, group, bits), reference(x, codes, s, b, group, bits)
+        got = native.qmatmul(x, codes, s, b, group, bits, mode=mode)
+        want = reference(x, codes, s, b, group, bits)
         assert got.shape == (rows, 96) and got.dtype == mx.float32
         err = mx.abs(got - want).max().item() / mx.abs(want).max().item()
         assert err < TOLERANCE, f"{rows} rows: relative error {err:.2e}"
@@ -67,35 +80,44 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
 # and 3 bits are not halves': on AVX2 2 rows and more of them go through
 # the scratch, and their codes are unpacked by a shuffle and shifts
 # there (V::codes_bits), by a loop elsewhere; groups of 16 (GGUF's Q6_K
-# and Q2_K) give each half of a 32-weight step its own scale.
+# and Q2_K) give each half of a 32-weight step its own scale; iq4_nl's
+# codes are looked up (AVX2's byte shuffle, AVX-512's table, the scalar
+# loop's index), with float16 scales (IQ4_NL's) and float32 (IQ4_XS's).
 @pytest.mark.parametrize(
-    ("bits", "k", "group"),
+    ("bits", "k", "group", "mode"),
     [
-        (4, 576, 32),
-        (8, 576, 32),
-        (4, 1536, 128),
-        (8, 1536, 64),
-        (6, 576, 64),
-        (5, 576, 32),
-        (3, 1536, 32),
-        (6, 1536, 16),
-        (2, 576, 16),
+        (4, 576, 32, "affine"),
+        (8, 576, 32, "affine"),
+        (4, 1536, 128, "affine"),
+        (8, 1536, 64, "affine"),
+        (6, 576, 64, "affine"),
+        (5, 576, 32, "affine"),
+        (3, 1536, 32, "affine"),
+        (6, 1536, 16, "affine"),
+        (2, 576, 16, "affine"),
+        (4, 576, 32, "iq4_nl"),
+        (4, 1536, 32, "iq4_nl"),
     ],
 )
-def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group):
-    codes, s, b = quantized(202, k, bits, group, seed=bits)  # a last block of 2 weight rows where a block is 4
+def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group, mode):
+    scales = mx.float32 if (mode, k) == ("iq4_nl", 1536) else mx.float16
+    codes, s, b = quantized(202, k, bits, group, seed=bits, scales=scales, mode=mode)  # a last block of 2 weight rows
+
+    def product(x):
+        return native.qmatmul(x, codes, s, b, group, bits, mode=mode)
+
     x = mx.random.normal((300, k), key=mx.random.key(7))
     whole = {}
     try:
         for isa in native.isas():
             native.set_isa(isa)
-            whole[isa] = native.qmatmul(x, codes, s, b, group, bits)
+            whole[isa] = product(x)
             for at in (0, 1, 2, 3, 5, 16, 63, 64, 150, 299):  # the direct path's tiles, the scratch path's, chunk edges
                 # one row's own path; on AVX-512 3 and 12 rows in passes of up to 6 (12: 6 + 6), 8, 9 and 17
                 # in passes of up to 9 (17: 9 + 8); on AVX2 2 rows in a pass of 2, 3 to 8 in a pass of
                 # halves, 9 rows and more through the scratch, as 33 everywhere
                 for rows in (1, 2, 3, 4, 5, 8, 9, 12, 17, 33):
-                    part = native.qmatmul(x[at : at + rows], codes, s, b, group, bits)
+                    part = product(x[at : at + rows])
                     assert mx.array_equal(part, whole[isa][at : at + rows]).item(), f"{isa}: rows {at}+{rows}"
     finally:
         native.set_isa(native.isas()[0])
@@ -133,6 +155,17 @@ def test_bad_arguments_are_refused_by_name():
     for args, words in cases:
         with pytest.raises(ValueError, match=words):
             native.qmatmul(*args)
+    x = mx.zeros((1, 64))
+    for args, mode, words in [
+        ((x, codes, s, None, 32, 4), "nf4", "mode must be affine or iq4_nl, not nf4"),
+        ((x, codes, s, b, 32, 4), "iq4_nl", "iq4_nl takes no biases"),
+        ((x, codes, s, None, 32, 8), "iq4_nl", "iq4_nl codes are 4 bits"),
+        ((x, codes, s, None, 32, 4), "affine", "scales and biases"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            native.qmatmul(*args, mode=mode)
+    with pytest.raises(ValueError, match="int8 products take affine codes"):
+        native.qmatmul(x, codes, s, None, 32, 4, packed=native.pack(codes, s, b, 32, 4), mode="iq4_nl")
     with pytest.raises(ValueError, match="no kernel named"):
         native.set_isa("sse9")
 
@@ -341,15 +374,21 @@ def _address(a: mx.array) -> int:
     return np.asarray(a).__array_interface__["data"][0]
 
 
-def _layer(hidden: int, heads: int, kv_heads: int, inner: int):
-    """A llama-style layer's weights: norms and seven projections, the
-    projections of two widths (Q4_K files keep some at 6 or 8 bits)."""
+def _layer(hidden: int, heads: int, kv_heads: int, inner: int, modes: dict[str, str] | None = None):
+    """A llama-style layer's weights: norms and seven projections (codes,
+    scales, biases, group, bits, mode each), the projections of two widths
+    (Q4_K files keep some at 6 or 8 bits), those `modes` names of theirs."""
     d = hidden // heads
     shapes = {"q": (heads * d, hidden), "k": (kv_heads * d, hidden), "v": (kv_heads * d, hidden)}
     shapes |= {"o": (hidden, hidden), "gate": (inner, hidden), "up": (inner, hidden), "down": (hidden, inner)}
-    widths = {"v": 8, "down": 6}
+    widths, modes = {"v": 8, "down": 6}, modes or {}
     layer = {
-        name: (*quantized(*shape, widths.get(name, 4), 32, seed=i), 32, widths.get(name, 4))
+        name: (
+            *quantized(*shape, widths.get(name, 4), 32, seed=i, mode=modes.get(name, "affine")),
+            32,
+            widths.get(name, 4),
+            modes.get(name, "affine"),
+        )
         for i, (name, shape) in enumerate(shapes.items())
     }
     norms = [mx.random.uniform(0.5, 1.5, (hidden,), key=mx.random.key(40 + i)) for i in range(2)]
@@ -357,27 +396,34 @@ def _layer(hidden: int, heads: int, kv_heads: int, inner: int):
 
 
 def _arrays(layer, *names):
-    return [a for n in names for a in layer[n][:3]], [layer[n][3] for n in names], [layer[n][4] for n in names]
+    """The layer ops' arrays (an iq4_nl projection's biases an empty array), groups and bits."""
+    arrays = [a if a is not None else mx.array([]) for n in names for a in layer[n][:3]]
+    return arrays, [layer[n][3] for n in names], [layer[n][4] for n in names]
+
+
+def _modes(layer, *names):
+    return [layer[n][5] for n in names]
 
 
 def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
     """attention_in and qmatmul's residual are the separate native ops'
     arithmetic, bit for bit; the MLP's swiglu uses an exp of its own (within
     float32 rounding of MLX's), the same bits on every instruction set; each
-    row bit-identical alone."""
+    row bit-identical alone. Its k and up projections are iq4_nl's."""
     hidden, heads, kv, inner, tokens = 128, 4, 2, 320, 17
     d = hidden // heads
-    layer, (norm1, norm2) = _layer(hidden, heads, kv, inner)
+    layer, (norm1, norm2) = _layer(hidden, heads, kv, inner, modes={"k": "iq4_nl", "up": "iq4_nl"})
+    qkv, mlp = {"modes": _modes(layer, "q", "k", "v")}, {"modes": _modes(layer, "gate", "up", "down")}
     h = mx.random.normal((1, tokens, hidden), key=mx.random.key(50))
     positions = mx.array([3 * t + 7 for t in range(tokens)])
     scale = d**-0.5
 
     def q_(name, x):
-        codes, s, b, group, bits = layer[name]
-        return native.qmatmul(x, codes, s, b, group, bits)
+        codes, s, b, group, bits, mode = layer[name]
+        return native.qmatmul(x, codes, s, b, group, bits, mode=mode)
 
     queries, keys, values = native.attention_in(
-        h, norm1, 1e-5, *_arrays(layer, "q", "k", "v"), heads, kv, scale, positions, d, False, 10000.0, 1.0
+        h, norm1, 1e-5, *_arrays(layer, "q", "k", "v"), heads, kv, scale, positions, d, False, 10000.0, 1.0, **qkv
     )
     x = native.rms_norm(h, norm1, 1e-5)
     q = q_("q", x).reshape(tokens, heads, 1, d)
@@ -388,17 +434,17 @@ def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
     assert mx.array_equal(values, q_("v", x).reshape(tokens, kv, 1, d).transpose(2, 1, 0, 3)).item()
 
     attended = mx.random.normal((1, tokens, hidden), key=mx.random.key(51))
-    codes, s, b, group, bits = layer["o"]
+    codes, s, b, group, bits, _ = layer["o"]
     assert mx.array_equal(native.qmatmul(attended, codes, s, b, group, bits, residual=h), h + q_("o", attended)).item()
 
-    out = native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"))
+    out = native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), **mlp)
     x = native.rms_norm(h, norm2, 1e-5)
     want = h + q_("down", mx.sigmoid(q_("gate", x)) * q_("gate", x) * q_("up", x))
     assert out.shape == h.shape and mx.abs(out - want).max().item() < 1e-5 * mx.abs(want).max().item()
     try:
         for isa in native.isas():  # swiglu.h's loop as each instruction set's file vectorises it
             native.set_isa(isa)
-            assert mx.array_equal(native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down")), out).item(), isa
+            assert mx.array_equal(native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), **mlp), out).item()
     finally:
         native.set_isa(native.isas()[0])
 
@@ -416,16 +462,23 @@ def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
             False,
             10000.0,
             1.0,
+            **qkv,
         )
         assert (
             mx.array_equal(one[0][0], queries[t]).item() and mx.array_equal(one[1][..., 0, :], keys[..., t, :]).item()
         )
-        alone = native.mlp(h[:, t : t + 1], norm2, 1e-5, *_arrays(layer, "gate", "up", "down"))
+        alone = native.mlp(h[:, t : t + 1], norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), **mlp)
         assert mx.array_equal(alone[0, 0], out[0, t]).item()
     with pytest.raises(ValueError, match="multiple of the kv heads"):
-        native.attention_in(h, norm1, 1e-5, *_arrays(layer, "q", "k", "v"), 3, 2, scale, positions, d, False, 1e4, 1.0)
+        native.attention_in(
+            h, norm1, 1e-5, *_arrays(layer, "q", "k", "v"), 3, 2, scale, positions, d, False, 1e4, 1.0, **qkv
+        )
     with pytest.raises(ValueError, match="expected 3 projections"):
         native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up"))
+    with pytest.raises(ValueError, match="scales and biases"):  # up's empty biases, its mode not said
+        native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), modes=["affine"] * 3)
+    with pytest.raises(ValueError, match="mode must be affine or iq4_nl"):
+        native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), modes=["affine", "iq4", "affine"])
     with pytest.raises(ValueError, match="residual"):
         native.qmatmul(attended, codes, s, b, group, bits, residual=h[:, :3])
 
@@ -511,13 +564,13 @@ def test_a_layers_fused_halves_take_the_int8_products():
     hidden, heads, kv, inner, tokens = 128, 4, 2, 320, 17
     d = hidden // heads
     layer, (norm1, norm2) = _layer(hidden, heads, kv, inner)
-    packs = {name: native.pack(*layer[name]) for name in layer if layer[name][4] in (4, 8)}
+    packs = {name: native.pack(*layer[name][:5]) for name in layer if layer[name][4] in (4, 8)}
     packs["down"] = [mx.array([], mx.uint8)] * 2  # 6 bits: its exact products
     h = mx.random.normal((1, tokens, hidden), key=mx.random.key(60))
     positions = mx.array(list(range(tokens)))
 
     def q_(name, x):
-        codes, s, b, group, bits = layer[name]
+        codes, s, b, group, bits, _ = layer[name]
         return native.qmatmul(x, codes, s, b, group, bits, packed=packs[name] if name != "down" else [])
 
     def packed(*names):

@@ -19,13 +19,17 @@ llama-style layer's two halves around it one op each (`fused`: its norms,
 seven products, rope, swiglu and residual adds, ~30 ops of MLX's
 otherwise).
 
+Layers in kvmux_native's mode iq4_nl (GGUF's IQ4_NL and IQ4_XS,
+worker/gguf_file.py: 4-bit codes indexing a table of 16 values, scales,
+no biases) exist only where this kernel runs; MLX has no such mode.
+
 `select` says which kernel runs, or why none does (not built, built for
 another mlx, a GPU, `off`); the worker then falls back to MLX's own
 quantized layers on a GPU and float32 copies on a CPU, and `describe`
 says so in Compute.
 
 `--cpu-products int8` (`adopt(model, int8=True)`) opts into llama.cpp's
-arithmetic: each 4- or 8-bit weight matrix is packed once at load
+arithmetic: each 4- or 8-bit affine weight matrix is packed once at load
 (`kvmux_native.pack`: its rows interleaved by 16, its scales beside
 them) and x is quantized to int8 per 32 weights in every product
 (worker/native/src/kernels.h, "int8 products"). Still row-invariant and
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import mlx.core as mx
+from gguf.quants import IQ4_NL
 from mlx import nn
 
 from kvmux import logs
@@ -58,6 +63,8 @@ log = logs.get("worker.cpu_kernel")
 
 CHOICES = ("auto", "avx512", "avx2", "scalar", "off")
 PRODUCTS = ("exact", "int8")
+MODES = ("affine", "iq4_nl")  # the quantized layers' modes kvmux_native multiplies
+IQ4_LEVELS = mx.array(IQ4_NL.kvalues, mx.float32)  # what an iq4_nl code stands for
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,23 @@ class QuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose product is kvmux_native's."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = kvmux_native.qmatmul(
-            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, packed=packed(self)
-        )
+        y = product(self, x)
         return y + self["bias"] if "bias" in self else y
+
+
+def product(module: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    """x @ W.T (+ residual) by kvmux_native for an adopted quantized module."""
+    return kvmux_native.qmatmul(
+        x,
+        module["weight"],
+        module["scales"],
+        module.get("biases"),
+        module.group_size,
+        module.bits,
+        residual=residual,
+        packed=packed(module),
+        mode=module.mode,
+    )
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -124,20 +144,24 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     (a tied embedding) is kvmux_native's product."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        scales, biases = self["scales"][x].astype(mx.float32), self["biases"][x].astype(mx.float32)
-        if self.group_size >= 32:
+        scales = self["scales"][x].astype(mx.float32)
+        if self.mode == "affine" and self.group_size >= 32:
+            biases = self["biases"][x].astype(mx.float32)
             return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
-        # Groups of 16 (GGUF's Q6_K, Q3_K, Q2_K), which mx.dequantize does
-        # not take: the codes, then q * scale + bias, the same values (a
-        # code times such a scale is exact: worker/gguf_file.py).
-        ones = mx.ones((*scales.shape[:-1], scales.shape[-1] // 2), mx.float32)
+        # What mx.dequantize does not take, groups of 16 (GGUF's Q6_K, Q3_K,
+        # Q2_K) and iq4_nl's levels: the codes, then q * scale + bias or
+        # level * scale, the same values (a code or a level times such a
+        # scale is exact: worker/gguf_file.py).
+        ones = mx.ones((*scales.shape[:-1], scales.shape[-1] * self.group_size // 32), mx.float32)
         q = mx.dequantize(self["weight"][x], ones, mx.zeros_like(ones), group_size=32, bits=self.bits)
-        return (q.reshape(*scales.shape, 16) * scales[..., None] + biases[..., None]).reshape(q.shape)
+        q = q.reshape(*scales.shape, self.group_size)
+        if self.mode == "iq4_nl":
+            return (IQ4_LEVELS[q.astype(mx.int32)] * scales[..., None]).reshape(*scales.shape[:-1], -1)
+        biases = self["biases"][x].astype(mx.float32)
+        return (q * scales[..., None] + biases[..., None]).reshape(*scales.shape[:-1], -1)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return kvmux_native.qmatmul(
-            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits, packed=packed(self)
-        )
+        return product(self, x)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -174,9 +198,10 @@ def adopt(model: nn.Module, int8: bool = False) -> None:
     model.__dict__[_ADOPTED_MARK] = True  # what forward.py asks (native_of): its attention goes native too
     for _, module in model.named_modules():
         kind = _ADOPTED.get(type(module))
-        if kind is not None and getattr(module, "mode", "affine") == "affine":
+        mode = getattr(module, "mode", "affine")
+        if kind is not None and mode in MODES:
             module.__class__ = kind
-            if int8 and kind in (QuantizedLinear, QuantizedEmbedding) and module.bits in (4, 8):
+            if int8 and kind in (QuantizedLinear, QuantizedEmbedding) and module.bits in (4, 8) and mode == "affine":
                 module.__dict__[_PACKED_MARK] = kvmux_native.pack(
                     module["weight"], module["scales"], module["biases"], module.group_size, module.bits
                 )
@@ -226,15 +251,19 @@ def fused(layer: nn.Module) -> bool:
     return _FUSED_MARK in layer.__dict__
 
 
-def _projections(*linears: QuantizedLinear) -> tuple[list[mx.array], list[int], list[int], list[mx.array]]:
-    """Their arrays, groups and bits, and where any has a pack, each one's
-    (two empty arrays for one without: its exact products)."""
-    arrays = [a for p in linears for a in (p["weight"], p["scales"], p["biases"])]
+def _projections(
+    *linears: QuantizedLinear,
+) -> tuple[list[mx.array], list[int], list[int], list[mx.array], list[str]]:
+    """Their arrays (an iq4_nl one's biases an empty array), groups and
+    bits, where any has a pack each one's (two empty arrays for one
+    without: its exact products), and their modes."""
+    arrays = [a for p in linears for a in (p["weight"], p["scales"], p.get("biases", _NONE))]
     packs = [a for p in linears for a in packed(p) or _UNPACKED] if any(packed(p) for p in linears) else []
-    return arrays, [p.group_size for p in linears], [p.bits for p in linears], packs
+    return arrays, [p.group_size for p in linears], [p.bits for p in linears], packs, [p.mode for p in linears]
 
 
-_UNPACKED = [mx.array([], mx.uint8), mx.array([], mx.uint8)]
+_NONE = mx.array([], mx.uint8)
+_UNPACKED = [_NONE, _NONE]
 
 
 def attention_in(layer: nn.Module, h: mx.array, positions: mx.array) -> list[mx.array]:
@@ -243,7 +272,7 @@ def attention_in(layer: nn.Module, h: mx.array, positions: mx.array) -> list[mx.
     holds them (1, kv heads, tokens, D), from the residual stream h (1,
     tokens, hidden)."""
     attn, norm, rope = layer.self_attn, layer.input_layernorm, layer.self_attn.rope
-    arrays, groups, bits, packs = layer.__dict__[_FUSED_MARK][0]
+    arrays, groups, bits, packs, modes = layer.__dict__[_FUSED_MARK][0]
     return kvmux_native.attention_in(
         h,
         norm["weight"],
@@ -260,22 +289,20 @@ def attention_in(layer: nn.Module, h: mx.array, positions: mx.array) -> list[mx.
         rope.base,
         rope.scale,
         packed=packs,
+        modes=modes,
     )
 
 
 def attention_out(layer: nn.Module, h: mx.array, attended: mx.array) -> mx.array:
     """h + the attention's output projection, one op."""
-    o = layer.self_attn.o_proj
-    return kvmux_native.qmatmul(
-        attended, o["weight"], o["scales"], o["biases"], o.group_size, o.bits, residual=h, packed=packed(o)
-    )
+    return product(layer.self_attn.o_proj, attended, residual=h)
 
 
 def mlp(layer: nn.Module, h: mx.array) -> mx.array:
     """h + the layer's MLP of its normed h, one op."""
     norm = layer.post_attention_layernorm
-    arrays, groups, bits, packs = layer.__dict__[_FUSED_MARK][1]
-    return kvmux_native.mlp(h, norm["weight"], norm.eps, arrays, groups, bits, packed=packs)
+    arrays, groups, bits, packs, modes = layer.__dict__[_FUSED_MARK][1]
+    return kvmux_native.mlp(h, norm["weight"], norm.eps, arrays, groups, bits, packed=packs, modes=modes)
 
 
 def _is_float(value: object) -> bool:

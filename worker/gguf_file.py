@@ -1,7 +1,8 @@
 """GGUF files: the header (metadata and tensor table), and the tensors as
 MLX arrays in the two forms worker/model.py loads: float arrays, or MLX's
 affine quantized triplets (`name.weight` packed uint32, `name.scales`,
-`name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS`).
+`name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS`; for
+`NONLINEAR`, no biases: kvmux_native's mode iq4_nl).
 
 Q4_0, Q4_1 and Q8_0 blocks already are that affine code (`w = scale * q +
 bias` per 32 weights): they become triplets losslessly, as MLX's own GGUF
@@ -17,7 +18,8 @@ are exactly the gguf package's). Where kvmux_native's kernel runs
 which have a scale per 16 weights, as triplets of 16-weight groups with
 float32 scales (`_sixteens`: MLX's layout takes no groups of 16, the
 kernel does), and IQ4_NL and IQ4_XS, whose 4-bit codes index a table of
-16 int8 values, as 8-bit codes of those values (`_nonlinear`). The rest
+16 int8 values, as those codes and their scales without biases
+(`_nonlinear`: the kernel's mode iq4_nl looks the values up). The rest
 are dequantized to float32 by the gguf package (llama.cpp's gguf-py: the
 values llama.cpp computes with). Where weights stay quantized on a GPU
 (`requantize`) every encoding but the affine five, the K-quants included,
@@ -40,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import IQ4_NL, Q4_K, dequantize
+from gguf.quants import Q4_K, dequantize
 
 GROUP_SIZE = 32
 FLOATS = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16}  # BF16 read as its bits
@@ -48,7 +50,7 @@ AFFINE = {Q.Q4_0, Q.Q4_1, Q.Q8_0}  # what mx.load reads
 EXACT = AFFINE | {Q.Q5_0, Q.Q5_1}  # MLX's layout with float16 scales, as they are
 K_QUANTS = {Q.Q4_K, Q.Q5_K}  # MLX's layout with float32 scales (not on a GPU)
 SIXTEENS = {Q.Q6_K: 6, Q.Q3_K: 3, Q.Q2_K: 2}  # 16-weight groups, float32 scales: kvmux_native's kernel only
-NONLINEAR = {Q.IQ4_NL, Q.IQ4_XS}  # 8-bit codes of their table's values: kvmux_native's kernel only
+NONLINEAR = {Q.IQ4_NL, Q.IQ4_XS}  # 4-bit codes of a table's values, no biases: kvmux_native's kernel only
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 
 # GGUF metadata value types: struct codes of the scalars, and numpy types of
@@ -156,7 +158,8 @@ def read_tensors(path: Path, header: Header, requantize: bool, kernel: bool = Fa
         elif as_stored(tensor.encoding, requantize, kernel):
             triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
             for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
-                weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
+                if array is not None:  # NONLINEAR's biases
+                    weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
         else:
             values = mx.array(dequantize(raw, tensor.encoding).reshape(tensor.shape))
             if requantize:
@@ -208,10 +211,10 @@ def decodable(encoding: Q) -> bool:
     return True
 
 
-def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 or a K-quant as
-    MLX's packed weights, scales and biases (what mx.load makes of the first
-    three)."""
+def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, a K-quant or
+    an IQ4 as MLX's packed weights, scales and biases (what mx.load makes of
+    the first three; an IQ4's biases None)."""
     if encoding in K_QUANTS:
         return _k_quant(blocks, encoding)
     if encoding in SIXTEENS:
@@ -317,17 +320,16 @@ def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, 
     return _packed(codes.reshape(rows, -1), SIXTEENS[encoding]), scales.reshape(rows, -1), biases.reshape(rows, -1)
 
 
-def _nonlinear(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _nonlinear(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, None]:
     """IQ4_NL blocks (32 weights: d, 16 bytes of 4-bit indices, laid out as
     Q4_0's) or IQ4_XS super-blocks (256 weights: d, 6-bit scales per 32,
-    the same indices) as 8-bit codes of the indexed value plus 128, scale
-    d (IQ4_XS: `d * (ls - 32)`, float32) and bias -128 times it. The scale
-    has at most 16 significant bits, so `q * scale` (24) and `+ bias` are
-    exact: gguf-py's `scale * value`, at twice the file's bits a code where
-    float32 copies had eight times."""
+    the same indices) as MLX's 4-bit codes of the indices, scale d (IQ4_XS:
+    `d * (ls - 32)`, float32) and no biases: kvmux_native's iq4_nl mode
+    computes `IQ4_NL.kvalues[q] * scale`, exact (the scale has at most 16
+    significant bits, a value 8), gguf-py's value, at the file's bits a
+    code."""
     rows = len(blocks)
     flat = blocks.reshape(-1, blocks.shape[-1])
-    table = (np.array(IQ4_NL.kvalues, np.int16) + 128).astype(np.uint8)
     d = flat[:, :2].copy().view(np.float16)
     if encoding == Q.IQ4_NL:
         indices, scales = _nibbles(flat[:, 2:]), d[:, 0]
@@ -337,6 +339,4 @@ def _nonlinear(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray,
         ls = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
         indices = _nibbles(flat[:, 8:].reshape(-1, 8, 16))
         scales = d.astype(np.float32) * ls
-    codes = table[indices].reshape(rows, -1)
-    scales = scales.reshape(rows, -1)
-    return codes.view(np.uint32), scales, scales * scales.dtype.type(-128)
+    return _packed(indices.reshape(rows, -1), 4), scales.reshape(rows, -1), None

@@ -161,33 +161,36 @@ def _load_gguf(
     layouts = _layouts(model, weights)
     if layouts and keep_quantized:
         _quantize(model, layouts, weights)
-    elif layouts:
-        for prefix, (bits, _) in layouts.items():
+    elif layouts:  # no NONLINEAR tensor: they stay quantized on the kernel only (gguf_file)
+        for prefix, (bits, _, _) in layouts.items():
             q = (weights.pop(f"{prefix}.{piece}") for piece in ("weight", "scales", "biases"))
             weights[f"{prefix}.weight"] = _dequantize_float32(*q, bits=bits)
     model.load_weights(list(weights.items()), strict=True)
     return model, bool(layouts) and keep_quantized
 
 
-def _layouts(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, tuple[int, int]]:
-    """Each quantized tensor's bits and group size (they vary per tensor),
-    from the width K of the float layer it replaces: its packed uint32
-    columns are K * bits / 32, its scales K / group."""
+def _layouts(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, tuple[int, int, str]]:
+    """Each quantized tensor's bits, group size and mode (they vary per
+    tensor), from the width K of the float layer it replaces: its packed
+    uint32 columns are K * bits / 32, its scales K / group; one without
+    biases is kvmux_native's iq4_nl (gguf_file's NONLINEAR)."""
     modules = dict(model.named_modules())
     layouts = {}
     for name, scales in weights.items():
         if name.endswith(".scales"):
             prefix = name.removesuffix(".scales")
             k = modules[prefix].weight.shape[-1]
-            layouts[prefix] = (weights[f"{prefix}.weight"].shape[-1] * 32 // k, k // scales.shape[-1])
+            mode = "affine" if f"{prefix}.biases" in weights else "iq4_nl"
+            layouts[prefix] = (weights[f"{prefix}.weight"].shape[-1] * 32 // k, k // scales.shape[-1], mode)
     return layouts
 
 
-def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int]], weights: dict[str, mx.array]) -> None:
+def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int, str]], weights: dict[str, mx.array]) -> None:
     """The quantized tensors' layers made MLX's quantized classes, to be
-    loaded with `weights`. MLX's quantize makes no groups of 16 (only
-    kvmux_native's kernel multiplies them: gguf_file's SIXTEENS), so
-    such a layer is made with groups of 32 and then given its own."""
+    loaded with `weights`. MLX's quantize makes neither groups of 16 nor
+    iq4_nl layers (only kvmux_native's kernel multiplies them: gguf_file's
+    SIXTEENS and NONLINEAR), so such a layer is made affine with groups of
+    32 and then given its own (an iq4_nl one its mode, its biases gone)."""
     nn.quantize(
         model,
         class_predicate=lambda p, _m: (
@@ -195,10 +198,14 @@ def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int]], weights: di
         ),
     )
     modules = dict(model.named_modules())
-    for prefix, (_, group) in layouts.items():
+    for prefix, (_, group, mode) in layouts.items():
+        module = modules[prefix]
         if group == 16:
-            modules[prefix].group_size = group
-            modules[prefix].update({part: weights[f"{prefix}.{part}"] for part in ("scales", "biases")})
+            module.group_size = group
+            module.update({part: weights[f"{prefix}.{part}"] for part in ("scales", "biases")})
+        if mode != "affine":
+            module.mode = mode
+            del module["biases"]
 
 
 def _to_cpu_float32(model: nn.Module) -> nn.Module:

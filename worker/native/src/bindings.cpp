@@ -12,13 +12,25 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
 
+namespace {
+
+// A layer op's modes by name (none: all affine).
+std::vector<kvmux_native::Mode> modes_of(const std::vector<std::string>& names, const std::string& op) {
+  std::vector<kvmux_native::Mode> modes;
+  for (const auto& name : names) modes.push_back(kvmux_native::mode_of(name, op));
+  return modes;
+}
+
+}  // namespace
+
 NB_MODULE(_ext, m) {
   m.doc() = "kvmux's CPU quantized matmul for MLX";
-  m.def("qmatmul", &kvmux_native::qmatmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
-        "residual"_a = nb::none(), "packed"_a = std::vector<mx::array>{},
+  m.def("qmatmul", &kvmux_native::qmatmul, "x"_a, "w"_a, "scales"_a, "biases"_a.none(), "group_size"_a, "bits"_a,
+        "residual"_a = nb::none(), "packed"_a = std::vector<mx::array>{}, "mode"_a = "affine",
         "x @ W.T for W in MLX's affine quantized layout (nn.QuantizedLinear's weight, scales, biases), plus "
         "`residual` where given; float32 arithmetic, each row's sum in a fixed order; runs on the CPU stream. "
-        "With `packed` (pack()'s arrays of W): the int8 products, as llama.cpp computes them (src/kernels.h).");
+        "With `packed` (pack()'s arrays of W): the int8 products, as llama.cpp computes them (src/kernels.h). "
+        "mode \"iq4_nl\": 4-bit codes index IQ4_NL's 16 values, w = level * scale, biases None.");
   m.def("pack", &kvmux_native::pack, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "W (4 or 8 bits) packed for the int8 products: its codes and its scales and biases, two arrays.");
   m.def(
@@ -26,21 +38,24 @@ NB_MODULE(_ext, m) {
       [](const mx::array& h, const mx::array& norm, float eps, const std::vector<mx::array>& arrays,
          const std::vector<int>& groups, const std::vector<int>& bits, int heads, int kv_heads, float q_scale,
          const mx::array& positions, int dims, bool traditional, float base, float scale,
-         const std::optional<mx::array>& freqs, const std::vector<mx::array>& packed) {
-        return kvmux_native::attention_in(h, norm, eps, {arrays, groups, bits, packed}, heads, kv_heads, q_scale,
-                                          positions, dims, traditional, base, scale, freqs);
+         const std::optional<mx::array>& freqs, const std::vector<mx::array>& packed,
+         const std::vector<std::string>& modes) {
+        return kvmux_native::attention_in(h, norm, eps, {arrays, groups, bits, packed, modes_of(modes, "attention_in")},
+                                          heads, kv_heads, q_scale, positions, dims, traditional, base, scale, freqs);
       },
       "h"_a, "norm"_a, "eps"_a, "arrays"_a, "groups"_a, "bits"_a, "heads"_a, "kv_heads"_a, "q_scale"_a,
       "positions"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "freqs"_a = nb::none(),
-      "packed"_a = std::vector<mx::array>{},
+      "packed"_a = std::vector<mx::array>{}, "modes"_a = std::vector<std::string>{},
       "A llama-style layer's attention inputs as one CPU op (see layer.h): rows (queries, keys) and values.");
   m.def(
       "mlp",
       [](const mx::array& h, const mx::array& norm, float eps, const std::vector<mx::array>& arrays,
-         const std::vector<int>& groups, const std::vector<int>& bits, const std::vector<mx::array>& packed) {
-        return kvmux_native::mlp(h, norm, eps, {arrays, groups, bits, packed});
+         const std::vector<int>& groups, const std::vector<int>& bits, const std::vector<mx::array>& packed,
+         const std::vector<std::string>& modes) {
+        return kvmux_native::mlp(h, norm, eps, {arrays, groups, bits, packed, modes_of(modes, "mlp")});
       },
       "h"_a, "norm"_a, "eps"_a, "arrays"_a, "groups"_a, "bits"_a, "packed"_a = std::vector<mx::array>{},
+      "modes"_a = std::vector<std::string>{},
       "A llama-style layer's MLP with its norm and residual as one CPU op (see layer.h).");
   m.def("rms_norm", &kvmux_native::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm as one CPU op (MLX's CPU runs it as six).");

@@ -53,6 +53,7 @@ struct V {
     return v;
   }
   static part fma_part(part a, part b, part c) { return _mm256_fmadd_ps(a, b, c); }
+  static part mul_part(part a, part b) { return _mm256_mul_ps(a, b); }
   static part zero_part() { return _mm256_setzero_ps(); }
   static __m256 fma8(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }  // attend.h's
   static part& part_of(vec& v, int h) { return h ? v.hi : v.lo; }
@@ -67,6 +68,7 @@ struct V {
   static vec fma(const vec& a, const vec& b, const vec& c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
   }
+  static vec mul(const vec& a, const vec& b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
   static float hsum(const vec& a) {
     const __m256 s8 = _mm256_add_ps(a.lo, a.hi);  // lane i: i + (i + 8)
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  // i + (i + 4)
@@ -88,6 +90,24 @@ struct V {
     codes4_part(p + 8, even.hi, odd.hi);
   }
   static vec codes8(const uint8_t* p) { return {codes8_part(p), codes8_part(p + 8)}; }
+  // codes4_part's codes as their IQ4_LEVELS (block.h's LEVELS): each
+  // byte's nibbles looked up by one byte shuffle, then widened.
+  static void levels4_part(const uint8_t* p, part& even, part& odd) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
+    const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    const __m128i levels = _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)), nibbles);
+    even = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(levels));
+    odd = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(levels, levels)));
+  }
+  // 32 at once: two byte shuffles, not levels4_part's four half-empty ones.
+  static void levels4(const uint8_t* p, vec& even, vec& odd) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
+    const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS));
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, nibble));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    even = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)))};
+    odd = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)))};
+  }
   static part set1_part(float f) { return _mm256_set1_ps(f); }
   static part loadu_part(const float* p) { return _mm256_loadu_ps(p); }  // folded into the multiply-add that uses it
   static void store_part(float* p, part v) { _mm256_storeu_ps(p, v); }

@@ -46,9 +46,12 @@ struct V {
   static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
   static __m512 fma16(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }  // attend.h's
   static constexpr bool TABLE4 = true;
+  template <bool LEVELS>
   static vec table(vec s, vec b) {
-    const vec q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_fmadd_ps(q, s, b);
+    const vec q = LEVELS ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS))))
+                         : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return LEVELS ? _mm512_mul_ps(q, s) : _mm512_fmadd_ps(q, s, b);
   }
   // vpermps reads an index's low 4 bits: the byte's high nibble needs no mask.
   static void lookup4(const uint8_t* p, vec table, vec& even, vec& odd) {

@@ -54,6 +54,11 @@ struct V {
     for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return r;
   }
+  static vec mul(const vec& a, const vec& b) {
+    vec r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i];
+    return r;
+  }
   static float hsum(const vec& a) {
     float s8[8], s4[4];
     for (int i = 0; i < 8; ++i) s8[i] = a.v[i] + a.v[i + 8];
@@ -70,6 +75,12 @@ struct V {
     vec r;
     for (int i = 0; i < 16; ++i) r.v[i] = float(p[i]);
     return r;
+  }
+  static void levels4(const uint8_t* p, vec& even, vec& odd) {
+    for (int i = 0; i < 16; ++i) {
+      even.v[i] = float(IQ4_LEVELS[p[i] & 0xF]);
+      odd.v[i] = float(IQ4_LEVELS[p[i] >> 4]);
+    }
   }
 };
 

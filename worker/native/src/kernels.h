@@ -18,6 +18,11 @@
 // So a row's result never depends on how many rows the call has, where
 // the row sits, how the work is split over threads, or which of the
 // AVX-512, AVX2 and scalar kernels ran.
+//
+// Mode::iq4_nl (GGUF's IQ4_NL and IQ4_XS) is the same but for the value a
+// code stands for: its 4-bit code indexes IQ4_LEVELS, a table of 16
+// int8s, and w = level * scale (fma(level, scale, 0): no biases), in the
+// same order and sums as 4-bit affine codes.
 
 #pragma once
 
@@ -28,6 +33,12 @@
 namespace kvmux_native {
 
 enum class ScaleType { float16, bfloat16, float32 };
+
+enum class Mode { affine, iq4_nl };
+
+// IQ4_NL's values (llama.cpp's kvalues_iq4nl), IQ4_XS's too.
+alignas(16) constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 // The first N (2, 4, 6 or 8) bytes at p, little-endian, loaded 8, 4 or
 // 2 at a time (the codes of 2, 3, 5 and 6 bits: block.h's codes_any,
@@ -58,8 +69,9 @@ struct Problem {
   const float* x;  // M x K, rows contiguous
   const uint8_t* w;  // N rows of K * bits / 8 bytes
   const void* scales;  // N x K / group
-  const void* biases;  // N x K / group
+  const void* biases;  // N x K / group; null for Mode::iq4_nl
   ScaleType scale_type;
+  Mode mode = Mode::affine;
   float* out;  // M x N
   int M, N, K, bits, group;
   // W packed for the int8 products (`pack`, below), or null: the exact

@@ -19,19 +19,24 @@ int check_layer(const std::string& op, const mx::array& h, const mx::array& norm
   if (h.ndim() < 1 || !mx::issubdtype(h.dtype(), mx::floating)) fail("h must be a floating-point array");
   const int hidden = h.shape(-1);
   if (norm.ndim() != 1 || norm.shape(0) != hidden) fail("norm must be 1-D with h's last dimension");
-  if (int(ps.arrays.size()) != 3 * count || int(ps.groups.size()) != count || int(ps.bits.size()) != count)
-    fail("expected " + std::to_string(count) + " projections (codes, scales, biases each) and their groups and bits");
+  if (int(ps.arrays.size()) != 3 * count || int(ps.groups.size()) != count || int(ps.bits.size()) != count ||
+      (!ps.modes.empty() && int(ps.modes.size()) != count))
+    fail("expected " + std::to_string(count) +
+         " projections (codes, scales, biases each) and their groups and bits (and modes, or none)");
   for (int i = 0; i < count; ++i) {
     const auto& w = ps.arrays[3 * i];
-    check_quantized(w, ps.arrays[3 * i + 1], ps.arrays[3 * i + 2], ps.groups[i], ps.bits[i], op);
+    const Mode mode = ps.modes.empty() ? Mode::affine : ps.modes[i];
+    check_quantized(w, ps.arrays[3 * i + 1], ps.arrays[3 * i + 2], ps.groups[i], ps.bits[i], mode, op);
     if (w.shape(1) * 32 / ps.bits[i] != inputs[i]) fail("projection " + std::to_string(i) + " has the wrong inputs");
   }
   if (!ps.packed.empty()) {
     if (int(ps.packed.size()) != 2 * count) fail("packed must be each projection's pack(), two arrays each");
     for (int i = 0; i < count; ++i)
-      if (ps.packed[2 * i].size() > 0)  // empty: this one's exact products
+      if (ps.packed[2 * i].size() > 0) {  // empty: this one's exact products
+        if (!ps.modes.empty() && ps.modes[i] != Mode::affine) fail("the int8 products take affine codes");
         check_packed(ps.arrays[3 * i], ps.arrays[3 * i + 1], ps.groups[i], ps.bits[i], ps.packed[2 * i],
                      ps.packed[2 * i + 1], op);
+      }
   }
   return hidden;
 }
@@ -40,11 +45,12 @@ int check_layer(const std::string& op, const mx::array& h, const mx::array& norm
 // one's pack() from the inputs' last 2 * count (empty arrays: its exact
 // products).
 std::vector<Problem> problems_of(const std::vector<mx::array>& inputs, int first, const std::vector<int>& groups,
-                                 const std::vector<int>& bits, bool packed) {
+                                 const std::vector<int>& bits, const std::vector<Mode>& modes, bool packed) {
   std::vector<Problem> ps;
   const size_t tail = inputs.size() - 2 * groups.size();
   for (size_t i = 0; i < groups.size(); ++i) {
-    ps.push_back(problem(inputs[first + 3 * i], inputs[first + 3 * i + 1], inputs[first + 3 * i + 2], groups[i], bits[i]));
+    ps.push_back(problem(inputs[first + 3 * i], inputs[first + 3 * i + 1], inputs[first + 3 * i + 2], groups[i], bits[i],
+                         modes.empty() ? Mode::affine : modes[i]));
     if (packed && inputs[tail + 2 * i].size() > 0) attach_packed(ps.back(), inputs[tail + 2 * i], inputs[tail + 2 * i + 1]);
   }
   return ps;
@@ -101,13 +107,13 @@ std::vector<mx::array> attention_in(
   return mx::array::make_arrays(
       {{T, heads, 1, D}, {1, kv_heads, T, D}, {1, kv_heads, T, D}},
       {mx::float32, mx::float32, mx::float32},
-      std::make_shared<AttentionIn>(s, eps, qkv.groups, qkv.bits, !qkv.packed.empty(), heads, kv_heads, q_scale, dims,
-                                    traditional, base, scale),
+      std::make_shared<AttentionIn>(s, eps, qkv.groups, qkv.bits, qkv.modes, !qkv.packed.empty(), heads, kv_heads,
+                                    q_scale, dims, traditional, base, scale),
       inputs);
 }
 
 void AttentionIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto ps = problems_of(inputs, 2, groups_, bits_, packed_);
+  auto ps = problems_of(inputs, 2, groups_, bits_, modes_, packed_);
   const bool freqs = inputs.size() > (packed_ ? 18u : 12u);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
@@ -167,7 +173,8 @@ void AttentionIn::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>
 
 bool AttentionIn::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AttentionIn&>(other);
-  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_ && packed_ == o.packed_ && heads_ == o.heads_ &&
+  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_ && modes_ == o.modes_ && packed_ == o.packed_ &&
+         heads_ == o.heads_ &&
          kv_heads_ == o.kv_heads_ &&
          q_scale_ == o.q_scale_ && dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
          scale_ == o.scale_;
@@ -185,12 +192,14 @@ mx::array mlp(const mx::array& h, const mx::array& norm, float eps, const Projec
   inputs.insert(inputs.end(), gate_up_down.packed.begin(), gate_up_down.packed.end());
   auto out = mx::array(
       h.shape(), mx::float32,
-      std::make_shared<MLP>(s, eps, gate_up_down.groups, gate_up_down.bits, !gate_up_down.packed.empty()), inputs);
+      std::make_shared<MLP>(s, eps, gate_up_down.groups, gate_up_down.bits, gate_up_down.modes,
+                            !gate_up_down.packed.empty()),
+      inputs);
   return h.dtype() == mx::float32 ? out : mx::astype(out, h.dtype(), s);
 }
 
 void MLP::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto ps = problems_of(inputs, 2, groups_, bits_, packed_);
+  auto ps = problems_of(inputs, 2, groups_, bits_, modes_, packed_);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
@@ -226,7 +235,7 @@ void MLP::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool MLP::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const MLP&>(other);
-  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_ && packed_ == o.packed_;
+  return eps_ == o.eps_ && groups_ == o.groups_ && bits_ == o.bits_ && modes_ == o.modes_ && packed_ == o.packed_;
 }
 
 }  // namespace kvmux_native

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fused.h"
+#include "kernels.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -22,13 +23,15 @@ namespace kvmux_native {
 namespace mx = mlx::core;
 
 // A layer's quantized projections: per projection its codes, scales and
-// biases (three arrays each, in order) and its group size and bits; and
-// for the int8 products, each one's pack() (two arrays each: empty ones
-// for a projection they do not take), or none.
+// biases (three arrays each, in order: an iq4_nl one's biases empty) and
+// its group size, bits and mode (none: all affine); and for the int8
+// products, each one's pack() (two arrays each: empty ones for a
+// projection they do not take), or none.
 struct Projections {
   std::vector<mx::array> arrays;
   std::vector<int> groups, bits;
   std::vector<mx::array> packed;
+  std::vector<Mode> modes;
 };
 
 // The attention's inputs from the residual stream h (1, T, hidden):
@@ -58,12 +61,13 @@ mx::array mlp(const mx::array& h, const mx::array& norm, float eps, const Projec
 
 class AttentionIn : public mx::Primitive {
  public:
-  AttentionIn(mx::Stream stream, float eps, std::vector<int> groups, std::vector<int> bits, bool packed, int heads,
-              int kv_heads, float q_scale, int dims, bool traditional, float base, float scale)
+  AttentionIn(mx::Stream stream, float eps, std::vector<int> groups, std::vector<int> bits, std::vector<Mode> modes,
+              bool packed, int heads, int kv_heads, float q_scale, int dims, bool traditional, float base, float scale)
       : mx::Primitive(stream),
         eps_(eps),
         groups_(std::move(groups)),
         bits_(std::move(bits)),
+        modes_(std::move(modes)),
         packed_(packed),
         heads_(heads),
         kv_heads_(kv_heads),
@@ -80,6 +84,7 @@ class AttentionIn : public mx::Primitive {
  private:
   float eps_;
   std::vector<int> groups_, bits_;
+  std::vector<Mode> modes_;
   bool packed_;  // the inputs end in each projection's pack()
   int heads_, kv_heads_;
   float q_scale_;
@@ -90,8 +95,14 @@ class AttentionIn : public mx::Primitive {
 
 class MLP : public mx::UnaryPrimitive {
  public:
-  MLP(mx::Stream stream, float eps, std::vector<int> groups, std::vector<int> bits, bool packed)
-      : mx::UnaryPrimitive(stream), eps_(eps), groups_(std::move(groups)), bits_(std::move(bits)), packed_(packed) {}
+  MLP(mx::Stream stream, float eps, std::vector<int> groups, std::vector<int> bits, std::vector<Mode> modes,
+      bool packed)
+      : mx::UnaryPrimitive(stream),
+        eps_(eps),
+        groups_(std::move(groups)),
+        bits_(std::move(bits)),
+        modes_(std::move(modes)),
+        packed_(packed) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "KvmuxMLP"; }
@@ -100,6 +111,7 @@ class MLP : public mx::UnaryPrimitive {
  private:
   float eps_;
   std::vector<int> groups_, bits_;
+  std::vector<Mode> modes_;
   bool packed_;
 };
 

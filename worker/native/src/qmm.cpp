@@ -343,15 +343,17 @@ const float* kernel_rows(const float* x, int rows, int K, int bits, std::vector<
   return out;
 }
 
-Problem problem(const mx::array& w, const mx::array& scales, const mx::array& biases, int group, int bits) {
+Problem problem(const mx::array& w, const mx::array& scales, const mx::array& biases, int group, int bits,
+                Mode mode) {
   for (const auto* a : {&w, &scales, &biases})
     if (!a->flags().row_contiguous)
       throw std::invalid_argument("[kvmux_native] w, scales and biases must be row-contiguous");
   Problem p{};
   p.w = w.data<uint8_t>();
   p.scales = scales.data<void>();
-  p.biases = biases.data<void>();
+  p.biases = mode == Mode::affine ? biases.data<void>() : nullptr;
   p.scale_type = scale_type(scales.dtype());
+  p.mode = mode;
   p.N = w.shape(0);
   p.K = w.shape(1) * 32 / bits;
   p.bits = bits;
@@ -390,13 +392,13 @@ void pack_codes(const Problem& p, int scale_bytes, uint8_t* codes, uint8_t* scal
 
 std::vector<mx::array> pack(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                             int bits) {
-  check_quantized(w, scales, biases, group_size, bits, "pack");
+  check_quantized(w, scales, biases, group_size, bits, Mode::affine, "pack");
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("[kvmux_native.pack] the int8 products take 4- and 8-bit weights, not " +
                                 std::to_string(bits));
   auto ws = mx::contiguous(w), ss = mx::contiguous(scales), bs = mx::contiguous(biases);
   mx::eval({ws, ss, bs});
-  const Problem p = problem(ws, ss, bs, group_size, bits);
+  const Problem p = problem(ws, ss, bs, group_size, bits, Mode::affine);
   const int rows = (p.N + PACKED_ROWS - 1) / PACKED_ROWS * PACKED_ROWS, scale_bytes = int(scales.itemsize());
   auto codes = mx::allocator::malloc(size_t(rows) * p.K * bits / 8);
   auto packed_scales = mx::allocator::malloc(size_t(rows) * (p.K / group_size) * 2 * scale_bytes);
@@ -428,11 +430,18 @@ void attach_packed(Problem& p, const mx::array& codes, const mx::array& scales) 
   p.packed_scales = scales.data<void>();
 }
 
+Mode mode_of(const std::string& name, const std::string& op) {
+  if (name == "affine") return Mode::affine;
+  if (name == "iq4_nl") return Mode::iq4_nl;
+  throw std::invalid_argument("[kvmux_native." + op + "] mode must be affine or iq4_nl, not " + name);
+}
+
 void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                     const std::string& op) {
+                     Mode mode, const std::string& op) {
   auto fail = [&](const std::string& what) { throw std::invalid_argument("[kvmux_native." + op + "] " + what); };
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
+  if (mode == Mode::iq4_nl && bits != 4) fail("iq4_nl codes are 4 bits, not " + std::to_string(bits));
   // 16 (GGUF's Q6_K, Q3_K and Q2_K) for the widths whose kernels take a
   // scale per 16 weights; 4 and 8 bits' (halves, TABLE4, int8) take one
   // per 32 at most.
@@ -440,8 +449,12 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
   if (!sixteen && group_size != 32 && group_size != 64 && group_size != 128)
     fail("group_size must be 32, 64 or 128 (or 16 with 2, 3, 5 or 6 bits), not " + std::to_string(group_size));
   if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array of packed codes");
-  if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype())
+  if (mode == Mode::iq4_nl) {
+    if (biases.size() != 0) fail("iq4_nl takes no biases (w = level * scale)");
+    if (scales.ndim() != 2) fail("scales must be a 2-D array");
+  } else if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
     fail("scales and biases must be 2-D arrays of one shape and dtype");
+  }
   scale_type(scales.dtype());
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
   if (scales.shape(0) != N || scales.shape(1) * group_size != K)
@@ -465,13 +478,16 @@ mx::array qmatmul(
     const mx::array& x_in,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases_in,
     int group_size,
     int bits,
     const std::optional<mx::array>& residual,
-    const std::vector<mx::array>& packed) {
+    const std::vector<mx::array>& packed,
+    const std::string& mode_name) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("[kvmux_native.qmatmul] " + what); };
-  check_quantized(w, scales, biases, group_size, bits, "qmatmul");
+  const Mode mode = mode_of(mode_name, "qmatmul");
+  const mx::array biases = biases_in ? *biases_in : mx::zeros({0}, scales.dtype());
+  check_quantized(w, scales, biases, group_size, bits, mode, "qmatmul");
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
   if (x_in.ndim() < 1 || x_in.shape(-1) != K)
     fail("x's last dimension (" + std::to_string(x_in.ndim() ? x_in.shape(-1) : 0) + ") must be w's " +
@@ -488,16 +504,17 @@ mx::array qmatmul(
   }
   if (!packed.empty()) {
     if (packed.size() != 2) fail("packed must be pack()'s two arrays");
+    if (mode != Mode::affine) fail("the int8 products take affine codes");
     check_packed(w, scales, group_size, bits, packed[0], packed[1], "qmatmul");
     inputs.insert(inputs.end(), packed.begin(), packed.end());
   }
   auto out = mx::array(shape, mx::float32,
-                       std::make_shared<QuantizedMatmul>(stream, group_size, bits, !packed.empty()), inputs);
+                       std::make_shared<QuantizedMatmul>(stream, group_size, bits, mode, !packed.empty()), inputs);
   return x_in.dtype() == mx::float32 ? out : mx::astype(out, x_in.dtype(), stream);
 }
 
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  Problem p = problem(inputs[1], inputs[2], inputs[3], group_size_, bits_);
+  Problem p = problem(inputs[1], inputs[2], inputs[3], group_size_, bits_, mode_);
   const bool residual = inputs.size() > (packed_ ? 6u : 4u);
   if (packed_) attach_packed(p, inputs[inputs.size() - 2], inputs.back());
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -524,7 +541,7 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && packed_ == o.packed_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && mode_ == o.mode_ && packed_ == o.packed_;
 }
 
 void parallel_for(int count, const std::function<void(int)>& items) {

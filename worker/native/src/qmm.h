@@ -20,18 +20,25 @@ namespace kvmux_native {
 namespace mx = mlx::core;
 
 // x (..., K) @ W.T -> (..., N), W given as MLX's packed uint32 codes (N,
-// K * bits / 32) with scales and biases (N, K / group_size); plus
-// `residual` (..., N) where given (a layer's residual stream: one op). With
-// `packed` (pack()'s two arrays of W), the int8 products (kernels.h).
+// K * bits / 32) with scales and biases (N, K / group_size; for
+// "iq4_nl", no biases: none or an empty array); plus `residual` (..., N)
+// where given (a layer's residual stream: one op). With `packed`
+// (pack()'s two arrays of W), the int8 products (kernels.h). `mode`:
+// "affine" or "iq4_nl" (kernels.h's Mode).
 mx::array qmatmul(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits,
     const std::optional<mx::array>& residual = std::nullopt,
-    const std::vector<mx::array>& packed = {});
+    const std::vector<mx::array>& packed = {},
+    const std::string& mode = "affine");
+
+// The Mode named `name`; throws std::invalid_argument (naming `op`) for
+// any other name.
+Mode mode_of(const std::string& name, const std::string& op);
 
 // W in the int8 products' packed layout (kernels.h): its codes (uint8,
 // (N rounded up to 16, K * bits / 8)) and scales and biases (scales'
@@ -48,13 +55,15 @@ void check_packed(const mx::array& w, const mx::array& scales, int group_size, i
 void attach_packed(Problem& p, const mx::array& codes, const mx::array& scales);
 
 // Throws std::invalid_argument (naming `op`) unless w, scales and biases
-// are an affine quantized matrix of `bits` and `group_size`.
+// are a quantized matrix of `bits`, `group_size` and `mode` (iq4_nl's
+// biases: an empty array).
 void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                     const std::string& op);
+                     Mode mode, const std::string& op);
 
 // A product's weights (row-contiguous arrays of a checked matrix); the
 // caller sets x, out and M.
-Problem problem(const mx::array& w, const mx::array& scales, const mx::array& biases, int group, int bits);
+Problem problem(const mx::array& w, const mx::array& scales, const mx::array& biases, int group, int bits,
+                Mode mode);
 
 // x's rows as the kernel of `bits` reads them: x itself where its order
 // is the kernel's and it starts a cache line, else copied into `ordered`
@@ -67,8 +76,8 @@ void compute(const std::vector<Problem>& ps);
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool packed)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), packed_(packed) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, Mode mode, bool packed)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), mode_(mode), packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -78,6 +87,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  Mode mode_;
   bool packed_;  // the inputs end in pack()'s arrays
 };
 
