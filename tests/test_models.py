@@ -257,9 +257,9 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
     """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights)
     and IQ4_XS and IQ4_NL (4-bit indices into a table), its tied embedding
     Q6_K or IQ4_XS: on kvmux_native's kernel its layers keep them quantized
-    (groups of 16, the iq4_nl mode; fused layer ops, the embedding's rows
-    and its use as the head), and its logits equal those of the float32
-    copy gguf-py decodes, up to the order of the sums."""
+    (groups of 16, the symmetric and iq4_nl modes; fused layer ops, the
+    embedding's rows and its use as the head), and its logits equal those
+    of the float32 copy gguf-py decodes, up to the order of the sums."""
     pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
     from gguf import GGMLQuantizationType as Q
     from mlx import nn
@@ -305,8 +305,8 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
     kept = [(p, m.bits) for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert quantized and len(kept) == 1 + 7 * layers
     assert {(m.bits, m.group_size, m.mode) for _, m in model.named_modules() if hasattr(m, "group_size")} == {
-        (6, 16, "affine"),
-        (3, 16, "affine"),
+        (6, 16, "symmetric"),
+        (3, 16, "symmetric"),
         (2, 16, "affine"),
         (4, 32, "iq4_nl"),
     }
@@ -658,11 +658,13 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
         assert np.array_equal(weights(name, 5), _q5_01(fives[f"{name}.weight"][1], minimum)), name
     assert all(ours[f"{name}.weight"].dtype == mx.float32 for name in ("k6", "k3", "k2", "nl", "xs"))
 
-    # Where kvmux_native's kernel runs: Q6_K, Q3_K and Q2_K as triplets of
-    # 16-weight groups (float32 scales), IQ4_NL and IQ4_XS as 4-bit codes
-    # and scales without biases (the kernel's iq4_nl: a code's level times
-    # its scale), llama.cpp's weights bit for bit as the kernel makes them
-    # (q * scale + bias in one rounding: here in float64, then float32).
+    # Where kvmux_native's kernel runs: Q6_K, Q3_K and Q2_K as 16-weight
+    # groups (float32 scales; Q6_K's and Q3_K's without biases, the kernel's
+    # symmetric mode: a bias of -2^(bits - 1) times the scale), IQ4_NL and
+    # IQ4_XS as 4-bit codes and scales without biases (its iq4_nl: a code's
+    # level times its scale), llama.cpp's weights bit for bit as the kernel
+    # makes them (q * scale + bias in one rounding: here in float64, then
+    # float32).
     kernel = gguf_file.read_tensors(tmp_path / "mixed.gguf", header, requantize=False, kernel=True)
     cases = [("k6", 6, 16, _q6_k), ("k3", 3, 16, _q3_k), ("k2", 2, 16, _q2_k), ("nl", 4, 32, _iq4_nl)]
     for name, bits, group, transcribed in [*cases, ("xs", 4, 32, _iq4_xs)]:
@@ -670,12 +672,14 @@ def test_block_encodings_decode_as_llama_cpp(tmp_path):
         assert s.shape == (8, 512 // group) and s.dtype == (mx.float16 if name == "nl" else mx.float32), name
         ones = mx.ones((8, 512 // 32), mx.float32)
         q = np.array(mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits), np.float64)
+        s = np.array(s.astype(mx.float32), np.float64)[..., None]
+        assert (f"{name}.biases" in kernel) == (name == "k2"), name
         if name in ("nl", "xs"):
-            assert f"{name}.biases" not in kernel
             q, b = np.array(gguf.quants.IQ4_NL.kvalues, np.float64)[q.astype(int)], np.zeros(1)
+        elif name in ("k6", "k3"):
+            b = -(2 ** (bits - 1)) * s
         else:
             b = np.array(kernel[f"{name}.biases"].astype(mx.float32), np.float64)[..., None]
-        s = np.array(s.astype(mx.float32), np.float64)[..., None]
         w = (q.reshape(8, -1, group) * s + b).astype(np.float32).reshape(8, -1)
         assert np.array_equal(w, transcribed(k_quants[f"{name}.weight"][1])), name
 

@@ -1,7 +1,7 @@
 """kvmux's native CPU ops (worker/native) in this process, on random and
 real weights: the quantized matmul against MLX's own dequantize + matmul
-for every width and group size (groups of 16 too, which MLX has not, and
-IQ4_NL's table of 4-bit levels), a row's bits whatever else the product
+for every width and group size (groups of 16 too, which MLX has not,
+IQ4_NL's table of 4-bit levels and centred codes), a row's bits whatever else the product
 holds and whichever instruction set runs it, the fused norm and rope
 against mx.fast's, a layer's fused halves against the separate ops, the
 sampler against mlx-lm's chain and its draws against its distribution,
@@ -30,24 +30,27 @@ TOLERANCE = 2e-6
 def quantized(n: int, k: int, bits: int, group: int, seed: int, scales=mx.float16, mode="affine"):
     """Random weights in MLX's affine layout, scales and biases as GGUF files
     keep them; groups of 16 (which mx.quantize does not make) with float32
-    scales, as worker/gguf_file.py keeps Q6_K, Q3_K and Q2_K; iq4_nl: 4-bit
-    codes with scales and no biases (None), as it keeps IQ4_NL and IQ4_XS."""
+    scales, as worker/gguf_file.py keeps Q6_K, Q3_K and Q2_K; iq4_nl and
+    symmetric: codes with scales and no biases (None), as it keeps IQ4_NL and
+    IQ4_XS, and Q6_K and Q3_K."""
     w = mx.random.normal((n, k), key=mx.random.key(seed))
     codes, s, b = mx.quantize(w, group_size=max(group, 32), bits=bits)
-    if mode == "iq4_nl":
-        return codes, mx.random.uniform(-0.02, 0.02, s.shape, key=mx.random.key(seed + 1)).astype(scales), None
+    if mode != "affine":
+        s = mx.random.uniform(-0.02, 0.02, (n, k // group), key=mx.random.key(seed + 1))
+        return codes, s.astype(scales), None
     if group == 16:
         s = mx.random.uniform(0.01, 0.1, (n, k // 16), key=mx.random.key(seed + 1))
         return codes, s, -mx.random.uniform(0, 2, (n, k // 16), key=mx.random.key(seed + 2)) * s
     return codes, s.astype(scales), b.astype(scales)
 
 
-def reference(x, codes, s, b, group, bits):
+def reference(x, codes, s, b, group, bits, mode="affine"):
     """float32 copies of the weights (the worker's fallback), times x."""
-    if b is None:  # iq4_nl: each code's level times its scale
+    if mode != "affine":  # each code's level, or the code less 2^(bits - 1), times its scale
         ones = mx.ones((codes.shape[0], s.shape[1] * group // 32), mx.float32)
-        q = mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=4).astype(mx.int32)
-        w = mx.array(IQ4_NL.kvalues, mx.float32)[q].reshape(*s.shape, group) * s[..., None].astype(mx.float32)
+        q = mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits)
+        q = mx.array(IQ4_NL.kvalues, mx.float32)[q.astype(mx.int32)] if mode == "iq4_nl" else q - 2 ** (bits - 1)
+        w = q.reshape(*s.shape, group) * s[..., None].astype(mx.float32)
         return x @ w.reshape(q.shape).T
     if group == 16:  # the codes, then q * scale + bias
         ones = mx.ones((codes.shape[0], s.shape[1] // 2), mx.float32)
@@ -62,14 +65,15 @@ def reference(x, codes, s, b, group, bits):
     ("bits", "group", "mode"),
     [(b, g, "affine") for b in (4, 8, 2, 3, 5, 6) for g in (32, 64, 128)]
     + [(b, 16, "affine") for b in (2, 3, 5, 6)]
-    + [(4, g, "iq4_nl") for g in (32, 64)],
+    + [(4, g, "iq4_nl") for g in (32, 64)]
+    + [(b, g, "symmetric") for b in (3, 6) for g in (16, 32)],
 )
 def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_count(bits, group, mode):
     codes, s, b = quantized(96, 640, bits, group, seed=bits * group, mode=mode)
     for rows in ROWS:
         x = mx.random.normal((rows, 640), key=mx.random.key(rows))
         got = native.qmatmul(x, codes, s, b, group, bits, mode=mode)
-        want = reference(x, codes, s, b, group, bits)
+        want = reference(x, codes, s, b, group, bits, mode)
         assert got.shape == (rows, 96) and got.dtype == mx.float32
         err = mx.abs(got - want).max().item() / mx.abs(want).max().item()
         assert err < TOLERANCE, f"{rows} rows: relative error {err:.2e}"
@@ -82,7 +86,8 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
 # there (V::codes_bits), by a loop elsewhere; groups of 16 (GGUF's Q6_K
 # and Q2_K) give each half of a 32-weight step its own scale; iq4_nl's
 # codes are looked up (AVX2's byte shuffle, AVX-512's table, the scalar
-# loop's index), with float16 scales (IQ4_NL's) and float32 (IQ4_XS's).
+# loop's index), with float16 scales (IQ4_NL's) and float32 (IQ4_XS's);
+# symmetric codes' biases are made from their scales (Q6_K's and Q3_K's).
 @pytest.mark.parametrize(
     ("bits", "k", "group", "mode"),
     [
@@ -97,10 +102,12 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
         (2, 576, 16, "affine"),
         (4, 576, 32, "iq4_nl"),
         (4, 1536, 32, "iq4_nl"),
+        (6, 1536, 16, "symmetric"),
+        (3, 576, 16, "symmetric"),
     ],
 )
 def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group, mode):
-    scales = mx.float32 if (mode, k) == ("iq4_nl", 1536) else mx.float16
+    scales = mx.float32 if mode == "symmetric" or (mode, k) == ("iq4_nl", 1536) else mx.float16
     codes, s, b = quantized(202, k, bits, group, seed=bits, scales=scales, mode=mode)  # a last block of 2 weight rows
 
     def product(x):
@@ -157,8 +164,10 @@ def test_bad_arguments_are_refused_by_name():
             native.qmatmul(*args)
     x = mx.zeros((1, 64))
     for args, mode, words in [
-        ((x, codes, s, None, 32, 4), "nf4", "mode must be affine or iq4_nl, not nf4"),
+        ((x, codes, s, None, 32, 4), "nf4", "mode must be affine, iq4_nl or symmetric, not nf4"),
         ((x, codes, s, b, 32, 4), "iq4_nl", "iq4_nl takes no biases"),
+        ((x, codes, s, None, 32, 4), "symmetric", "symmetric codes are 3 or 6 bits"),
+        ((x, *quantized(8, 64, 6, 32, seed=0), 32, 6), "symmetric", "symmetric takes no biases"),
         ((x, codes, s, None, 32, 8), "iq4_nl", "iq4_nl codes are 4 bits"),
         ((x, codes, s, None, 32, 4), "affine", "scales and biases"),
     ]:
@@ -409,10 +418,11 @@ def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
     """attention_in and qmatmul's residual are the separate native ops'
     arithmetic, bit for bit; the MLP's swiglu uses an exp of its own (within
     float32 rounding of MLX's), the same bits on every instruction set; each
-    row bit-identical alone. Its k and up projections are iq4_nl's."""
+    row bit-identical alone. Its k and up projections are iq4_nl's, its
+    down projection symmetric."""
     hidden, heads, kv, inner, tokens = 128, 4, 2, 320, 17
     d = hidden // heads
-    layer, (norm1, norm2) = _layer(hidden, heads, kv, inner, modes={"k": "iq4_nl", "up": "iq4_nl"})
+    layer, (norm1, norm2) = _layer(hidden, heads, kv, inner, modes={"k": "iq4_nl", "up": "iq4_nl", "down": "symmetric"})
     qkv, mlp = {"modes": _modes(layer, "q", "k", "v")}, {"modes": _modes(layer, "gate", "up", "down")}
     h = mx.random.normal((1, tokens, hidden), key=mx.random.key(50))
     positions = mx.array([3 * t + 7 for t in range(tokens)])
@@ -477,7 +487,7 @@ def test_a_layers_fused_halves_equal_the_separate_ops_and_a_row_is_alone():
         native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up"))
     with pytest.raises(ValueError, match="scales and biases"):  # up's empty biases, its mode not said
         native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), modes=["affine"] * 3)
-    with pytest.raises(ValueError, match="mode must be affine or iq4_nl"):
+    with pytest.raises(ValueError, match="mode must be affine, iq4_nl or symmetric"):
         native.mlp(h, norm2, 1e-5, *_arrays(layer, "gate", "up", "down"), modes=["affine", "iq4", "affine"])
     with pytest.raises(ValueError, match="residual"):
         native.qmatmul(attended, codes, s, b, group, bits, residual=h[:, :3])

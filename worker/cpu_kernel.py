@@ -19,9 +19,10 @@ llama-style layer's two halves around it one op each (`fused`: its norms,
 seven products, rope, swiglu and residual adds, ~30 ops of MLX's
 otherwise).
 
-Layers in kvmux_native's mode iq4_nl (GGUF's IQ4_NL and IQ4_XS,
+Layers in kvmux_native's modes iq4_nl (GGUF's IQ4_NL and IQ4_XS,
 worker/gguf_file.py: 4-bit codes indexing a table of 16 values, scales,
-no biases) exist only where this kernel runs; MLX has no such mode.
+no biases) and symmetric (Q6_K and Q3_K: codes centred on 2^(bits - 1),
+no biases) exist only where this kernel runs; MLX has neither mode.
 
 `select` says which kernel runs, or why none does (not built, built for
 another mlx, a GPU, `off`); the worker then falls back to MLX's own
@@ -63,7 +64,7 @@ log = logs.get("worker.cpu_kernel")
 
 CHOICES = ("auto", "avx512", "avx2", "scalar", "off")
 PRODUCTS = ("exact", "int8")
-MODES = ("affine", "iq4_nl")  # the quantized layers' modes kvmux_native multiplies
+MODES = ("affine", "iq4_nl", "symmetric")  # the quantized layers' modes kvmux_native multiplies
 IQ4_LEVELS = mx.array(IQ4_NL.kvalues, mx.float32)  # what an iq4_nl code stands for
 
 
@@ -149,14 +150,16 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
             biases = self["biases"][x].astype(mx.float32)
             return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
         # What mx.dequantize does not take, groups of 16 (GGUF's Q6_K, Q3_K,
-        # Q2_K) and iq4_nl's levels: the codes, then q * scale + bias or
-        # level * scale, the same values (a code or a level times such a
-        # scale is exact: worker/gguf_file.py).
+        # Q2_K) and the other modes: the codes, then q * scale + bias,
+        # level * scale or (q - 2^(bits - 1)) * scale, the same values (a
+        # code or a level times such a scale is exact: worker/gguf_file.py).
         ones = mx.ones((*scales.shape[:-1], scales.shape[-1] * self.group_size // 32), mx.float32)
         q = mx.dequantize(self["weight"][x], ones, mx.zeros_like(ones), group_size=32, bits=self.bits)
         q = q.reshape(*scales.shape, self.group_size)
         if self.mode == "iq4_nl":
             return (IQ4_LEVELS[q.astype(mx.int32)] * scales[..., None]).reshape(*scales.shape[:-1], -1)
+        if self.mode == "symmetric":
+            return ((q - 2 ** (self.bits - 1)) * scales[..., None]).reshape(*scales.shape[:-1], -1)
         biases = self["biases"][x].astype(mx.float32)
         return (q * scales[..., None] + biases[..., None]).reshape(*scales.shape[:-1], -1)
 
@@ -254,7 +257,7 @@ def fused(layer: nn.Module) -> bool:
 def _projections(
     *linears: QuantizedLinear,
 ) -> tuple[list[mx.array], list[int], list[int], list[mx.array], list[str]]:
-    """Their arrays (an iq4_nl one's biases an empty array), groups and
+    """Their arrays (biases an empty array where a mode has none), groups and
     bits, where any has a pack each one's (two empty arrays for one
     without: its exact products), and their modes."""
     arrays = [a for p in linears for a in (p["weight"], p["scales"], p.get("biases", _NONE))]

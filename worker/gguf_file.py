@@ -1,8 +1,9 @@
 """GGUF files: the header (metadata and tensor table), and the tensors as
 MLX arrays in the two forms worker/model.py loads: float arrays, or MLX's
 affine quantized triplets (`name.weight` packed uint32, `name.scales`,
-`name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS`; for
-`NONLINEAR`, no biases: kvmux_native's mode iq4_nl).
+`name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS`). A
+tensor without biases is one of kvmux_native's other modes (`mode`):
+iq4_nl for `NONLINEAR`, symmetric for Q6_K and Q3_K.
 
 Q4_0, Q4_1 and Q8_0 blocks already are that affine code (`w = scale * q +
 bias` per 32 weights): they become triplets losslessly, as MLX's own GGUF
@@ -15,9 +16,9 @@ weights: MLX's 5-bit layout), Q4_K and Q5_K (a scale and a minimum per 32
 weights: with float32 scales `d * sc` and biases `-dmin * m` their weights
 are exactly the gguf package's). Where kvmux_native's kernel runs
 (`kernel`) two more kinds stay quantized, exactly too: Q6_K, Q3_K and Q2_K,
-which have a scale per 16 weights, as triplets of 16-weight groups with
-float32 scales (`_sixteens`: MLX's layout takes no groups of 16, the
-kernel does), and IQ4_NL and IQ4_XS, whose 4-bit codes index a table of
+which have a scale per 16 weights, as 16-weight groups with float32
+scales (`_sixteens`: MLX's layout takes no groups of 16, the kernel does;
+Q6_K's and Q3_K's codes centred, no biases), and IQ4_NL and IQ4_XS, whose 4-bit codes index a table of
 16 int8 values, as those codes and their scales without biases
 (`_nonlinear`: the kernel's mode iq4_nl looks the values up). The rest
 are dequantized to float32 by the gguf package (llama.cpp's gguf-py: the
@@ -186,6 +187,15 @@ def as_stored(encoding: Q, requantize: bool, kernel: bool) -> bool:
     )
 
 
+def mode(bits: int, biases: bool) -> str:
+    """The kvmux_native mode of a quantized tensor read_tensors made: affine
+    with biases; without, iq4_nl at 4 bits (NONLINEAR), symmetric at 3 and
+    6 (Q3_K and Q6_K)."""
+    if biases:
+        return "affine"
+    return "iq4_nl" if bits == 4 else "symmetric"
+
+
 def check(header: Header) -> None:
     """Refuse a file holding tensors in an encoding that cannot load."""
     refused = {e for e in header.encodings if not decodable(e)}
@@ -214,7 +224,7 @@ def decodable(encoding: Q) -> bool:
 def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, a K-quant or
     an IQ4 as MLX's packed weights, scales and biases (what mx.load makes of
-    the first three; an IQ4's biases None)."""
+    the first three; none, None, where `mode` says so)."""
     if encoding in K_QUANTS:
         return _k_quant(blocks, encoding)
     if encoding in SIXTEENS:
@@ -283,14 +293,15 @@ def _k_quant(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, n
     return _packed(codes.reshape(rows, -1), bits), scales.reshape(rows, -1), biases.reshape(rows, -1)
 
 
-def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Q6_K, Q3_K or Q2_K super-blocks (256 weights, a scale per 16) as
     16-weight groups of unsigned codes with float32 scales and biases, in
     the gguf package's order and values. A scale (`d * sc`: d a float16,
     sc an int8 at most) times a code has at most 24 significant bits, all
     float32 holds, so `q * scale + bias` rounds once, as gguf-py's
     `d * sc * (q - 32)` (Q6_K), `d * sc * (q - 4)` (Q3_K: both exact, the
-    bias a multiple of the scale) and `d * sc * q - dmin * m` (Q2_K) do."""
+    bias -2^(bits - 1) times the scale: kvmux_native's symmetric mode,
+    none stored) and `d * sc * q - dmin * m` (Q2_K) do."""
     rows = len(blocks)
     flat = blocks.reshape(-1, blocks.shape[-1])
     if encoding == Q.Q6_K:  # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d
@@ -299,7 +310,7 @@ def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, 
         codes = (ql & np.uint8(0x0F)).reshape(-1, 256) | ((qh & np.uint8(3)) << np.uint8(4)).reshape(-1, 256)
         d = flat[:, 208:210].copy().view(np.float16).astype(np.float32)
         scales = d * flat[:, 192:208].view(np.int8).astype(np.float32)
-        biases = scales * np.float32(-32)
+        biases = None  # -32 * scale
     elif encoding == Q.Q3_K:  # 32 bytes of high bits, 64 of low 2 bits, 12 of 6-bit scales, d
         low = flat[:, 32:96].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         high = flat[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
@@ -310,14 +321,15 @@ def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, 
         sc = ((lows & np.uint8(0x0F)) | ((highs & np.uint8(3)) << np.uint8(4))).astype(np.float32) - 32
         d = flat[:, 108:110].copy().view(np.float16).astype(np.float32)
         scales = d * sc  # a weight is scale * (q - 4), q the 3 bits (the high bit set: no offset)
-        biases = scales * np.float32(-4)
+        biases = None  # -4 * scale
     else:  # Q2_K: 16 bytes of 4-bit scales and minimums, 64 of 2-bit codes, d, dmin
         codes = (flat[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         d = flat[:, 80:82].copy().view(np.float16).astype(np.float32)
         dmin = flat[:, 82:84].copy().view(np.float16).astype(np.float32)
         scales = d * (flat[:, :16] & np.uint8(0x0F)).astype(np.float32)
         biases = -(dmin * (flat[:, :16] >> np.uint8(4)).astype(np.float32))
-    return _packed(codes.reshape(rows, -1), SIXTEENS[encoding]), scales.reshape(rows, -1), biases.reshape(rows, -1)
+    biases = None if biases is None else biases.reshape(rows, -1)
+    return _packed(codes.reshape(rows, -1), SIXTEENS[encoding]), scales.reshape(rows, -1), biases
 
 
 def _nonlinear(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, None]:

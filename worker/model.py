@@ -172,25 +172,26 @@ def _load_gguf(
 def _layouts(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, tuple[int, int, str]]:
     """Each quantized tensor's bits, group size and mode (they vary per
     tensor), from the width K of the float layer it replaces: its packed
-    uint32 columns are K * bits / 32, its scales K / group; one without
-    biases is kvmux_native's iq4_nl (gguf_file's NONLINEAR)."""
+    uint32 columns are K * bits / 32, its scales K / group; its mode
+    gguf_file.mode's (one without biases is not affine)."""
     modules = dict(model.named_modules())
     layouts = {}
     for name, scales in weights.items():
         if name.endswith(".scales"):
             prefix = name.removesuffix(".scales")
             k = modules[prefix].weight.shape[-1]
-            mode = "affine" if f"{prefix}.biases" in weights else "iq4_nl"
-            layouts[prefix] = (weights[f"{prefix}.weight"].shape[-1] * 32 // k, k // scales.shape[-1], mode)
+            bits = weights[f"{prefix}.weight"].shape[-1] * 32 // k
+            layouts[prefix] = (bits, k // scales.shape[-1], gguf_file.mode(bits, f"{prefix}.biases" in weights))
     return layouts
 
 
 def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int, str]], weights: dict[str, mx.array]) -> None:
     """The quantized tensors' layers made MLX's quantized classes, to be
     loaded with `weights`. MLX's quantize makes neither groups of 16 nor
-    iq4_nl layers (only kvmux_native's kernel multiplies them: gguf_file's
+    kvmux_native's other modes (only its kernel multiplies them: gguf_file's
     SIXTEENS and NONLINEAR), so such a layer is made affine with groups of
-    32 and then given its own (an iq4_nl one its mode, its biases gone)."""
+    32 and then given its own (its mode, and its biases gone where it has
+    none)."""
     nn.quantize(
         model,
         class_predicate=lambda p, _m: (
@@ -200,12 +201,11 @@ def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int, str]], weight
     modules = dict(model.named_modules())
     for prefix, (_, group, mode) in layouts.items():
         module = modules[prefix]
-        if group == 16:
-            module.group_size = group
-            module.update({part: weights[f"{prefix}.{part}"] for part in ("scales", "biases")})
+        module.group_size, module.mode = group, mode
         if mode != "affine":
-            module.mode = mode
             del module["biases"]
+        if group == 16:  # its arrays' shapes too, which load_weights checks
+            module.update({part: weights[f"{prefix}.{part}"] for part in ("scales", "biases") if part in module})
 
 
 def _to_cpu_float32(model: nn.Module) -> nn.Module:

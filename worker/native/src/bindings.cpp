@@ -30,7 +30,8 @@ NB_MODULE(_ext, m) {
         "x @ W.T for W in MLX's affine quantized layout (nn.QuantizedLinear's weight, scales, biases), plus "
         "`residual` where given; float32 arithmetic, each row's sum in a fixed order; runs on the CPU stream. "
         "With `packed` (pack()'s arrays of W): the int8 products, as llama.cpp computes them (src/kernels.h). "
-        "mode \"iq4_nl\": 4-bit codes index IQ4_NL's 16 values, w = level * scale, biases None.");
+        "mode \"iq4_nl\": 4-bit codes index IQ4_NL's 16 values, w = level * scale, biases None; \"symmetric\": "
+        "w = (q - 2^(bits - 1)) * scale, biases None.");
   m.def("pack", &kvmux_native::pack, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "W (4 or 8 bits) packed for the int8 products: its codes and its scales and biases, two arrays.");
   m.def(

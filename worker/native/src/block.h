@@ -23,17 +23,29 @@
 // set1_part, loadu_part (a load the compiler may fold into a multiply-add)
 // and store_part.
 // TABLE4 (bool): whether it has table<LEVELS>(s, b) (the 16 values
-// fma(q, s, b), q = 0..15 or, LEVELS, IQ4_LEVELS) and lookup4(p, table,
-// even, odd) (32 4-bit codes' values).
+// fma(q, s, b), q = 0..15, or with LEVELS q * s, q IQ4_LEVELS' values)
+// and lookup4(p, table, even, odd) (32 4-bit codes' values).
 //
-// LEVELS, a template parameter from here down: 4-bit codes are
-// Mode::iq4_nl's (kernels.h), and there are no biases: a weight is
+// MODE, a template parameter from here down: the codes' Mode (kernels.h).
+// Mode::iq4_nl's 4-bit codes stand for IQ4_LEVELS, and a weight is
 // level * scale, one rounding (fma(level, scale, 0)'s value but for a
-// zero's sign, the same on every instruction set).
+// zero's sign, the same on every instruction set); Mode::symmetric's
+// bias is -2^(BITS - 1) times the scale, made from it (exactly) where a
+// stored one is read.
 // The including file has <cstring>, <type_traits> and kernels.h included
 // before.
 
 namespace {
+
+// Whether a Mode's 4-bit codes stand for IQ4_LEVELS.
+template <kvmux_native::Mode MODE>
+constexpr bool LEVELS = MODE == kvmux_native::Mode::iq4_nl;
+
+// The bias of a group of `scale` where a Mode stores none.
+template <kvmux_native::Mode MODE, int BITS>
+constexpr float bias_of(float scale) {
+  return LEVELS<MODE> ? 0.0f : scale * -float(1 << (BITS - 1));
+}
 
 template <class V, kvmux_native::ScaleType ST>
 inline float scale_at(const void* base, size_t i) {
@@ -88,9 +100,9 @@ inline void codes_any(const uint8_t* row, int k, float* out) {
 // The 32 codes of a row from weight k on, as floats, in the kernel's
 // order (kernels.h): 4 bits even k then odd k (LEVELS: their levels),
 // other widths as stored.
-template <class V, int BITS, bool LEVELS>
+template <class V, int BITS, kvmux_native::Mode MODE>
 inline void codes(const uint8_t* row, int k, typename V::vec& a, typename V::vec& b) {
-  if constexpr (BITS == 4 && LEVELS) {
+  if constexpr (BITS == 4 && LEVELS<MODE>) {
     V::levels4(row + k / 2, a, b);
   } else if constexpr (BITS == 4) {
     V::codes4(row + k / 2, a, b);
@@ -116,15 +128,15 @@ inline void codes(const uint8_t* row, int k, typename V::vec& a, typename V::vec
 // 16 possible weights are made once (`table`, V::table: the same fused
 // multiply-add per code) and the codes look them up: the same values,
 // fewer operations.
-template <class V, int BITS, bool LEVELS>
+template <class V, int BITS, kvmux_native::Mode MODE>
 inline void weights32(const uint8_t* row, int k, const typename V::vec& s, const typename V::vec& b,
                       const typename V::vec& s_hi, const typename V::vec& b_hi, const typename V::vec& table,
                       typename V::vec& lo, typename V::vec& hi) {
   if constexpr (BITS == 4 && V::TABLE4) {
     V::lookup4(row + k / 2, table, lo, hi);
   } else {
-    codes<V, BITS, LEVELS>(row, k, lo, hi);
-    if constexpr (LEVELS) {  // no bias: level * scale, fma(level, scale, 0)'s value
+    codes<V, BITS, MODE>(row, k, lo, hi);
+    if constexpr (LEVELS<MODE>) {  // no bias: level * scale, fma(level, scale, 0)'s value
       lo = V::mul(lo, s);
       hi = V::mul(hi, s_hi);
     } else {
@@ -134,10 +146,10 @@ inline void weights32(const uint8_t* row, int k, const typename V::vec& s, const
   }
 }
 
-template <class V, int BITS, bool LEVELS>
+template <class V, int BITS, kvmux_native::Mode MODE>
 inline typename V::vec table_of(const typename V::vec& s, const typename V::vec& b) {
   if constexpr (BITS == 4 && V::TABLE4) {
-    return V::template table<LEVELS>(s, b);
+    return V::template table<LEVELS<MODE>>(s, b);
   } else {
     return s;  // unused
   }
@@ -183,40 +195,41 @@ inline void even_passes(int m0, int m1, int most, F&& f) {
   }
 }
 
-// `count` biases from `first` on as floats (to_floats'), or 0s where
-// there are none (LEVELS).
-template <class V, kvmux_native::ScaleType ST, bool LEVELS>
-inline void biases_to_floats(const void* base, size_t first, int count, float* out) {
-  if constexpr (LEVELS)
-    std::fill(out, out + count, 0.0f);
-  else
+// A weight row's `count` biases from group `first` on as floats, its
+// scales there already floats (`scale`): affine's as stored (to_floats'),
+// iq4_nl's 0, symmetric's -2^(BITS - 1) times the scale (exact).
+template <class V, kvmux_native::ScaleType ST, kvmux_native::Mode MODE, int BITS>
+inline void biases_to_floats(const void* base, size_t first, int count, const float* scale, float* out) {
+  if constexpr (MODE == kvmux_native::Mode::affine)
     to_floats<V, ST>(base, first, count, out);
-}
-
-template <class V, kvmux_native::ScaleType ST, bool LEVELS>
-inline float bias_at(const void* base, size_t i) {
-  if constexpr (LEVELS) return 0.0f;
-  return scale_at<V, ST>(base, i);
+  else
+    for (int i = 0; i < count; ++i) out[i] = bias_of<MODE, BITS>(scale[i]);
 }
 
 // Row n of W dequantized into dst (K floats, in the kernel's order);
 // STEPS and HALF: by_group's.
-template <class V, int BITS, kvmux_native::ScaleType ST, int STEPS, bool HALF, bool LEVELS>
+template <class V, int BITS, kvmux_native::ScaleType ST, int STEPS, bool HALF, kvmux_native::Mode MODE>
 void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
   const int K = p.K, groups = K / p.group;
   const uint8_t* row = p.w + size_t(n) * K * BITS / 8;
   const size_t first = size_t(n) * groups;
   for (int g = 0; g < groups; g += HALF ? 2 : 1) {
-    const auto s = V::set1(scale_at<V, ST>(p.scales, first + g));
-    const auto b = V::set1(bias_at<V, ST, LEVELS>(p.biases, first + g));
-    const auto s_hi = HALF ? V::set1(scale_at<V, ST>(p.scales, first + g + 1)) : s;
-    const auto b_hi = HALF ? V::set1(bias_at<V, ST, LEVELS>(p.biases, first + g + 1)) : b;
-    const auto table = table_of<V, BITS, LEVELS>(s, b);
+    const float s_lo = scale_at<V, ST>(p.scales, first + g), s_hi_lo = HALF ? scale_at<V, ST>(p.scales, first + g + 1) : s_lo;
+    const auto bias = [&](size_t i, float scale) {
+      if constexpr (MODE == kvmux_native::Mode::affine)
+        return scale_at<V, ST>(p.biases, i);
+      else
+        return bias_of<MODE, BITS>(scale);
+    };
+    const auto s = V::set1(s_lo), s_hi = V::set1(s_hi_lo);
+    const auto b = V::set1(bias(first + g, s_lo));
+    const auto b_hi = HALF ? V::set1(bias(first + g + 1, s_hi_lo)) : b;
+    const auto table = table_of<V, BITS, MODE>(s, b);
 #pragma GCC unroll 4
     for (int c = 0; c < STEPS; ++c) {
       const int k = HALF ? g * 16 : (g * STEPS + c) * 32;
       typename V::vec lo, hi;
-      weights32<V, BITS, LEVELS>(row, k, s, b, s_hi, b_hi, table, lo, hi);
+      weights32<V, BITS, MODE>(row, k, s, b, s_hi, b_hi, table, lo, hi);
       V::store(dst + k, lo);
       V::store(dst + k + 16, hi);
     }
@@ -257,7 +270,7 @@ constexpr int AHEAD = 1;
 // a ns, 2 and 4 rows 15.1 -> 19.2 and 15.9 -> 20.3 (AMD EPYC, Zen 3).
 // AVX-512's 32 registers held a decode row's sums already: its loops stay
 // as they were (not measured otherwise: that host had no AVX-512).
-template <class V, int BITS, int STEPS, bool HALF, bool LEVELS, int NB, int MB>
+template <class V, int BITS, int STEPS, bool HALF, kvmux_native::Mode MODE, int NB, int MB>
 inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
                         const float* bias, int nb, int nn, int m0) {
   constexpr bool TIGHT = V::PARTS > 1;
@@ -273,7 +286,7 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       b[j] = V::set1(bias[size_t(j) * groups + g]);
       s_hi[j] = HALF ? V::set1(scale[size_t(j) * groups + g + 1]) : s[j];
       b_hi[j] = HALF ? V::set1(bias[size_t(j) * groups + g + 1]) : b[j];
-      table[j] = table_of<V, BITS, LEVELS>(s[j], b[j]);
+      table[j] = table_of<V, BITS, MODE>(s[j], b[j]);
     };
     if constexpr (!TIGHT) {
 #pragma GCC unroll 8
@@ -295,7 +308,7 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
         for (int j = 0; j < NB; ++j) {
           if constexpr (TIGHT) scale_row(j);
           typename V::vec lo, hi;
-          weights32<V, BITS, LEVELS>(rows[j], k, s[j], b[j], s_hi[j], b_hi[j], table[j], lo, hi);
+          weights32<V, BITS, MODE>(rows[j], k, s[j], b[j], s_hi[j], b_hi[j], table[j], lo, hi);
 #pragma GCC unroll 8
           for (int i = 0; i < MB; ++i) {
             const float* xi = x + size_t(i) * K + k;
@@ -311,7 +324,7 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
       typename V::vec lo[NB], hi[NB];
 #pragma GCC unroll 8
       for (int j = 0; j < NB; ++j)
-        weights32<V, BITS, LEVELS>(rows[j], k, s[j], b[j], s_hi[j], b_hi[j], table[j], lo[j], hi[j]);
+        weights32<V, BITS, MODE>(rows[j], k, s[j], b[j], s_hi[j], b_hi[j], table[j], lo[j], hi[j]);
 #pragma GCC unroll 9
       for (int i = 0; i < MB; ++i) {
         const auto xlo = V::load_once(x + size_t(i) * K + k);
@@ -338,14 +351,14 @@ inline void direct_rows(const kvmux_native::Problem& p, const uint8_t* const* ro
 }
 
 // direct_rows of `take` (1..MB) rows of x.
-template <class V, int BITS, bool LEVELS, int NB, int MB>
+template <class V, int BITS, kvmux_native::Mode MODE, int NB, int MB>
 inline void direct_pass(int take, const kvmux_native::Problem& p, const uint8_t* const* rows, const float* scale,
                         const float* bias, int nb, int nn, int m0) {
   if constexpr (MB > 1)
-    if (take < MB) return direct_pass<V, BITS, LEVELS, NB, MB - 1>(take, p, rows, scale, bias, nb, nn, m0);
+    if (take < MB) return direct_pass<V, BITS, MODE, NB, MB - 1>(take, p, rows, scale, bias, nb, nn, m0);
   by_group<BITS>(p.group, [&](auto steps) {
     using S = decltype(steps);
-    direct_rows<V, BITS, S::value, S::half, LEVELS, NB, MB>(p, rows, scale, bias, nb, nn, m0);
+    direct_rows<V, BITS, S::value, S::half, MODE, NB, MB>(p, rows, scale, bias, nb, nn, m0);
   });
 }
 
@@ -374,7 +387,7 @@ constexpr int PAIR_ROWS = 4;
 // MB rows of x (packed at xp) by NB weight rows from `row` (row_bytes
 // apart; their scales and biases `groups` apart) over weights k0..k1,
 // half h of the vector, into acc.
-template <class V, int BITS, int STEPS, bool LEVELS, int MB, int NB>
+template <class V, int BITS, int STEPS, kvmux_native::Mode MODE, int MB, int NB>
 inline void half_rows(const uint8_t* row, size_t row_bytes, const float* scale, const float* bias, int groups,
                       const float* xp, int k0, int k1, int h, typename V::part (&acc)[NB][MB]) {
   constexpr int W = 16 / V::PARTS;
@@ -387,7 +400,7 @@ inline void half_rows(const uint8_t* row, size_t row_bytes, const float* scale, 
         const auto s = V::set1_part(scale[j * groups + g]), b = V::set1_part(bias[j * groups + g]);
         typename V::part lo, hi;
         const uint8_t* r = row + j * row_bytes;
-        if constexpr (BITS == 4 && LEVELS) {
+        if constexpr (BITS == 4 && LEVELS<MODE>) {
           V::levels4_part(r + kc / 2 + W * h, lo, hi);
         } else if constexpr (BITS == 4) {
           V::codes4_part(r + kc / 2 + W * h, lo, hi);
@@ -395,7 +408,7 @@ inline void half_rows(const uint8_t* row, size_t row_bytes, const float* scale, 
           lo = V::codes8_part(r + kc + W * h);
           hi = V::codes8_part(r + kc + 16 + W * h);
         }
-        if constexpr (LEVELS) {
+        if constexpr (LEVELS<MODE>) {
           lo = V::mul_part(lo, s);
           hi = V::mul_part(hi, s);
         } else {
@@ -427,12 +440,12 @@ inline void pack_pass(const kvmux_native::Problem& p, int m, int take, float* ou
 // half_rows' pass of `take` (1..MB) rows of x over weights k0..k1 of NB
 // weight rows, its sums (per weight row and row of x 16 floats, weight
 // rows sum_stride apart) carried in `sums` from the block of K before.
-template <class V, int BITS, int STEPS, bool LEVELS, int MB, int NB>
+template <class V, int BITS, int STEPS, kvmux_native::Mode MODE, int MB, int NB>
 inline void half_pass(int take, const uint8_t* row, size_t row_bytes, const float* scale, const float* bias,
                       int groups, const float* xp, int k0, int k1, float* sums, size_t sum_stride) {
   if constexpr (MB > 1)
     if (take < MB)
-      return half_pass<V, BITS, STEPS, LEVELS, MB - 1, NB>(take, row, row_bytes, scale, bias, groups, xp, k0, k1, sums,
+      return half_pass<V, BITS, STEPS, MODE, MB - 1, NB>(take, row, row_bytes, scale, bias, groups, xp, k0, k1, sums,
                                                    sum_stride);
   constexpr int W = 16 / V::PARTS;
 #pragma GCC unroll 2
@@ -441,7 +454,7 @@ inline void half_pass(int take, const uint8_t* row, size_t row_bytes, const floa
     for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) acc[j][i] = k0 ? V::loadu_part(sums + j * sum_stride + 16 * i + W * h) : V::zero_part();
-    half_rows<V, BITS, STEPS, LEVELS, MB, NB>(row, row_bytes, scale, bias, groups,
+    half_rows<V, BITS, STEPS, MODE, MB, NB>(row, row_bytes, scale, bias, groups,
                                       xp + size_t(k0 / 32) * 2 * V::PARTS * MB * W + h * 2 * MB * W, k0, k1, h, acc);
     for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 8
@@ -452,7 +465,7 @@ inline void half_pass(int take, const uint8_t* row, size_t row_bytes, const floa
 // Rows m0..m1 of x by weight rows n0..n1 by half_rows, 4- or 8-bit codes:
 // up to PAIR_ROWS rows of x two weight rows at a time (their sums 2 x 4
 // chains of multiply-adds, as many as 8 rows of x by one give).
-template <class V, int BITS, kvmux_native::ScaleType ST, bool LEVELS>
+template <class V, int BITS, kvmux_native::ScaleType ST, kvmux_native::Mode MODE>
 void halves(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
   const int K = p.K, groups = K / p.group, rows = m1 - m0;
   const size_t row_bytes = size_t(K) * BITS / 8;
@@ -480,16 +493,17 @@ void halves(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
           const int pair = pairs && n + 1 < ne ? 2 : 1;
           for (int j = 0; j < pair; ++j) {
             to_floats<V, ST>(p.scales, size_t(n + j) * groups + g0, count, scale + j * groups + g0);
-            biases_to_floats<V, ST, LEVELS>(p.biases, size_t(n + j) * groups + g0, count, bias + j * groups + g0);
+            biases_to_floats<V, ST, MODE, BITS>(p.biases, size_t(n + j) * groups + g0, count, scale + j * groups + g0,
+                                                bias + j * groups + g0);
           }
           float* s = sums.data() + size_t(n - nb) * rows * 16;
           even_passes(m0, m1, HALF_ROWS, [&](int m, int take) {
             if (pair == 2)
-              half_pass<V, BITS, STEPS, LEVELS, PAIR_ROWS, 2>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
+              half_pass<V, BITS, STEPS, MODE, PAIR_ROWS, 2>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
                                                       xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
                                                       size_t(rows) * 16);
             else
-              half_pass<V, BITS, STEPS, LEVELS, HALF_ROWS, 1>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
+              half_pass<V, BITS, STEPS, MODE, HALF_ROWS, 1>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
                                                       xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
                                                       size_t(rows) * 16);
           });
@@ -506,7 +520,7 @@ void halves(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
 // Rows m0..m1 of x by weight rows n0..n1, NB weight rows at a time, each
 // block's rows of x CHUNK at a time while its codes are in L1 (its bytes
 // are read from memory once, whatever the rows).
-template <class V, int BITS, kvmux_native::ScaleType ST, bool LEVELS, int NB, int CHUNK>
+template <class V, int BITS, kvmux_native::ScaleType ST, kvmux_native::Mode MODE, int NB, int CHUNK>
 void direct(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
   const int K = p.K, groups = K / p.group;
   const size_t row_bytes = size_t(K) * BITS / 8;
@@ -523,10 +537,11 @@ void direct(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
       const int n = nb + (j < nn ? j : 0);  // past the end: row nb again, its results dropped
       rows[j] = p.w + n * row_bytes;
       to_floats<V, ST>(p.scales, size_t(n) * groups, groups, scale + size_t(j) * groups);
-      biases_to_floats<V, ST, LEVELS>(p.biases, size_t(n) * groups, groups, bias + size_t(j) * groups);
+      biases_to_floats<V, ST, MODE, BITS>(p.biases, size_t(n) * groups, groups, scale + size_t(j) * groups,
+                                          bias + size_t(j) * groups);
     }
     even_passes(m0, m1, CHUNK, [&](int m, int take) {
-      direct_pass<V, BITS, LEVELS, NB, CHUNK>(take, p, rows, scale, bias, nb, nn, m);
+      direct_pass<V, BITS, MODE, NB, CHUNK>(take, p, rows, scale, bias, nb, nn, m);
     });
   }
 }
@@ -609,13 +624,13 @@ void tile_rows(int rows, const float* x, int ldx, const float* w, int K, float* 
   tile<V, NB, MB>(x, ldx, w, K, out, ldo);
 }
 
-template <class V, int BITS, kvmux_native::ScaleType ST, bool LEVELS, int NB, int MB>
+template <class V, int BITS, kvmux_native::ScaleType ST, kvmux_native::Mode MODE, int NB, int MB>
 void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   const int K = p.K;
   by_group<BITS>(p.group, [&](auto steps) {
     using S = decltype(steps);
     for (int n = n0; n < n1; ++n)
-      dequantize_row<V, BITS, ST, S::value, S::half, LEVELS>(p, n, scratch + size_t(n - n0) * K);
+      dequantize_row<V, BITS, ST, S::value, S::half, MODE>(p, n, scratch + size_t(n - n0) * K);
   });
   for (int nb = n0; nb < n1; nb += NB) {
     const float* w = scratch + size_t(nb - n0) * K;
@@ -639,51 +654,55 @@ void scratch_block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m
 // row), more through the scratch (the weights dequantized once for all of
 // them) in tiles of NB weight rows by MB rows of x: the same products and
 // sums either way.
-template <class V, int BITS, kvmux_native::ScaleType ST, bool LEVELS, int DIRECT, int NB, int MB>
+template <class V, int BITS, kvmux_native::ScaleType ST, kvmux_native::Mode MODE, int DIRECT, int NB, int MB>
 void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   const int rows = m1 - m0;
-  if (rows == 1) return direct<V, BITS, ST, LEVELS, V::ONE_ROW_IN_FLIGHT, 1>(p, n0, n1, m0, m1);
+  if (rows == 1) return direct<V, BITS, ST, MODE, V::ONE_ROW_IN_FLIGHT, 1>(p, n0, n1, m0, m1);
   if constexpr (V::WIDE_CHUNK > V::CHUNK) {
     const int passes = (rows + V::WIDE_CHUNK - 1) / V::WIDE_CHUNK;
     if (rows <= DIRECT && rows >= passes * (V::CHUNK + 1))
-      return direct<V, BITS, ST, LEVELS, V::WIDE_IN_FLIGHT, V::WIDE_CHUNK>(p, n0, n1, m0, m1);
+      return direct<V, BITS, ST, MODE, V::WIDE_IN_FLIGHT, V::WIDE_CHUNK>(p, n0, n1, m0, m1);
   }
   if constexpr (V::PARTS > 1 && (BITS == 4 || BITS == 8))
-    if (rows >= V::HALVES_FROM && rows <= DIRECT) return halves<V, BITS, ST, LEVELS>(p, n0, n1, m0, m1);
-  if (rows <= DIRECT) return direct<V, BITS, ST, LEVELS, V::IN_FLIGHT, V::CHUNK>(p, n0, n1, m0, m1);
-  scratch_block<V, BITS, ST, LEVELS, NB, MB>(p, n0, n1, m0, m1, scratch);
+    if (rows >= V::HALVES_FROM && rows <= DIRECT) return halves<V, BITS, ST, MODE>(p, n0, n1, m0, m1);
+  if (rows <= DIRECT) return direct<V, BITS, ST, MODE, V::IN_FLIGHT, V::CHUNK>(p, n0, n1, m0, m1);
+  scratch_block<V, BITS, ST, MODE, NB, MB>(p, n0, n1, m0, m1, scratch);
 }
 
-template <class V, int BITS, bool LEVELS, int DIRECT, int NB, int MB>
+template <class V, int BITS, kvmux_native::Mode MODE, int DIRECT, int NB, int MB>
 void block_bits(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   using kvmux_native::ScaleType;
   switch (p.scale_type) {
     case ScaleType::float16:
-      return block_typed<V, BITS, ScaleType::float16, LEVELS, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_typed<V, BITS, ScaleType::float16, MODE, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     case ScaleType::bfloat16:
-      return block_typed<V, BITS, ScaleType::bfloat16, LEVELS, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_typed<V, BITS, ScaleType::bfloat16, MODE, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
     default:
-      return block_typed<V, BITS, ScaleType::float32, LEVELS, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_typed<V, BITS, ScaleType::float32, MODE, DIRECT, NB, MB>(p, n0, n1, m0, m1, scratch);
   }
 }
 
 // D: the rows of x each width takes straight from the codes (kernels.h).
 template <class V, kvmux_native::DirectRows D, int NB, int MB>
 void block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
-  if (p.mode == kvmux_native::Mode::iq4_nl) return block_bits<V, 4, true, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
+  using kvmux_native::Mode;
+  if (p.mode == Mode::iq4_nl) return block_bits<V, 4, Mode::iq4_nl, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
+  if (p.mode == Mode::symmetric)  // 3 or 6 bits (check_quantized): GGUF's Q3_K and Q6_K
+    return p.bits == 3 ? block_bits<V, 3, Mode::symmetric, D.of(3), NB, MB>(p, n0, n1, m0, m1, scratch)
+                       : block_bits<V, 6, Mode::symmetric, D.of(6), NB, MB>(p, n0, n1, m0, m1, scratch);
   switch (p.bits) {
     case 4:
-      return block_bits<V, 4, false, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 4, Mode::affine, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 8:
-      return block_bits<V, 8, false, D.of(8), NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 8, Mode::affine, D.of(8), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 2:
-      return block_bits<V, 2, false, D.of(2), NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 2, Mode::affine, D.of(2), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 3:
-      return block_bits<V, 3, false, D.of(3), NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 3, Mode::affine, D.of(3), NB, MB>(p, n0, n1, m0, m1, scratch);
     case 5:
-      return block_bits<V, 5, false, D.of(5), NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 5, Mode::affine, D.of(5), NB, MB>(p, n0, n1, m0, m1, scratch);
     default:
-      return block_bits<V, 6, false, D.of(6), NB, MB>(p, n0, n1, m0, m1, scratch);
+      return block_bits<V, 6, Mode::affine, D.of(6), NB, MB>(p, n0, n1, m0, m1, scratch);
   }
 }
 

@@ -19,10 +19,13 @@
 // the row sits, how the work is split over threads, or which of the
 // AVX-512, AVX2 and scalar kernels ran.
 //
-// Mode::iq4_nl (GGUF's IQ4_NL and IQ4_XS) is the same but for the value a
-// code stands for: its 4-bit code indexes IQ4_LEVELS, a table of 16
-// int8s, and w = level * scale (fma(level, scale, 0): no biases), in the
-// same order and sums as 4-bit affine codes.
+// Two modes store no biases. Mode::iq4_nl (GGUF's IQ4_NL and IQ4_XS) is
+// the same but for the value a code stands for: its 4-bit code indexes
+// IQ4_LEVELS, a table of 16 int8s, and w = level * scale, in the same
+// order and sums as 4-bit affine codes. Mode::symmetric (GGUF's Q6_K and
+// Q3_K: 6 or 3 bits) centres the codes: w = (q - 2^(bits - 1)) * scale,
+// one rounding (fma(q, scale, bias) with the bias -2^(bits - 1) * scale,
+// exact).
 
 #pragma once
 
@@ -34,7 +37,7 @@ namespace kvmux_native {
 
 enum class ScaleType { float16, bfloat16, float32 };
 
-enum class Mode { affine, iq4_nl };
+enum class Mode { affine, iq4_nl, symmetric };
 
 // IQ4_NL's values (llama.cpp's kvalues_iq4nl), IQ4_XS's too.
 alignas(16) constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -69,7 +72,7 @@ struct Problem {
   const float* x;  // M x K, rows contiguous
   const uint8_t* w;  // N rows of K * bits / 8 bytes
   const void* scales;  // N x K / group
-  const void* biases;  // N x K / group; null for Mode::iq4_nl
+  const void* biases;  // N x K / group; null where the mode has none
   ScaleType scale_type;
   Mode mode = Mode::affine;
   float* out;  // M x N

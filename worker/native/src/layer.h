@@ -23,7 +23,8 @@ namespace kvmux_native {
 namespace mx = mlx::core;
 
 // A layer's quantized projections: per projection its codes, scales and
-// biases (three arrays each, in order: an iq4_nl one's biases empty) and
+// biases (three arrays each, in order: an iq4_nl or symmetric one's
+// biases empty) and
 // its group size, bits and mode (none: all affine); and for the int8
 // products, each one's pack() (two arrays each: empty ones for a
 // projection they do not take), or none.

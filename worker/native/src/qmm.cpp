@@ -433,7 +433,8 @@ void attach_packed(Problem& p, const mx::array& codes, const mx::array& scales) 
 Mode mode_of(const std::string& name, const std::string& op) {
   if (name == "affine") return Mode::affine;
   if (name == "iq4_nl") return Mode::iq4_nl;
-  throw std::invalid_argument("[kvmux_native." + op + "] mode must be affine or iq4_nl, not " + name);
+  if (name == "symmetric") return Mode::symmetric;
+  throw std::invalid_argument("[kvmux_native." + op + "] mode must be affine, iq4_nl or symmetric, not " + name);
 }
 
 void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
@@ -442,6 +443,8 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   if (mode == Mode::iq4_nl && bits != 4) fail("iq4_nl codes are 4 bits, not " + std::to_string(bits));
+  if (mode == Mode::symmetric && bits != 3 && bits != 6)
+    fail("symmetric codes are 3 or 6 bits (GGUF's Q3_K and Q6_K), not " + std::to_string(bits));
   // 16 (GGUF's Q6_K, Q3_K and Q2_K) for the widths whose kernels take a
   // scale per 16 weights; 4 and 8 bits' (halves, TABLE4, int8) take one
   // per 32 at most.
@@ -449,8 +452,10 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
   if (!sixteen && group_size != 32 && group_size != 64 && group_size != 128)
     fail("group_size must be 32, 64 or 128 (or 16 with 2, 3, 5 or 6 bits), not " + std::to_string(group_size));
   if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array of packed codes");
-  if (mode == Mode::iq4_nl) {
-    if (biases.size() != 0) fail("iq4_nl takes no biases (w = level * scale)");
+  if (mode != Mode::affine) {
+    if (biases.size() != 0)
+      fail(mode == Mode::iq4_nl ? "iq4_nl takes no biases (w = level * scale)"
+                                : "symmetric takes no biases (w = (q - 2^(bits - 1)) * scale)");
     if (scales.ndim() != 2) fail("scales must be a 2-D array");
   } else if (scales.ndim() != 2 || scales.shape() != biases.shape() || scales.dtype() != biases.dtype()) {
     fail("scales and biases must be 2-D arrays of one shape and dtype");

@@ -21,10 +21,11 @@ namespace mx = mlx::core;
 
 // x (..., K) @ W.T -> (..., N), W given as MLX's packed uint32 codes (N,
 // K * bits / 32) with scales and biases (N, K / group_size; for
-// "iq4_nl", no biases: none or an empty array); plus `residual` (..., N)
-// where given (a layer's residual stream: one op). With `packed`
-// (pack()'s two arrays of W), the int8 products (kernels.h). `mode`:
-// "affine" or "iq4_nl" (kernels.h's Mode).
+// "iq4_nl" and "symmetric", no biases: none or an empty array); plus
+// `residual` (..., N) where given (a layer's residual stream: one op).
+// With `packed` (pack()'s two arrays of W), the int8 products
+// (kernels.h). `mode`: "affine", "iq4_nl" or "symmetric" (kernels.h's
+// Mode).
 mx::array qmatmul(
     const mx::array& x,
     const mx::array& w,
@@ -56,7 +57,7 @@ void attach_packed(Problem& p, const mx::array& codes, const mx::array& scales);
 
 // Throws std::invalid_argument (naming `op`) unless w, scales and biases
 // are a quantized matrix of `bits`, `group_size` and `mode` (iq4_nl's
-// biases: an empty array).
+// and symmetric's biases: an empty array).
 void check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                      Mode mode, const std::string& op);
 
