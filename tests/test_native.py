@@ -405,7 +405,7 @@ def _layer(hidden: int, heads: int, kv_heads: int, inner: int, modes: dict[str, 
 
 
 def _arrays(layer, *names):
-    """The layer ops' arrays (an iq4_nl projection's biases an empty array), groups and bits."""
+    """The layer ops' arrays (a projection without biases: an empty array), groups and bits."""
     arrays = [a if a is not None else mx.array([]) for n in names for a in layer[n][:3]]
     return arrays, [layer[n][3] for n in names], [layer[n][4] for n in names]
 

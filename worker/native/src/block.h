@@ -195,9 +195,18 @@ inline void even_passes(int m0, int m1, int most, F&& f) {
   }
 }
 
-// A weight row's `count` biases from group `first` on as floats, its
-// scales there already floats (`scale`): affine's as stored (to_floats'),
-// iq4_nl's 0, symmetric's -2^(BITS - 1) times the scale (exact).
+// Group i's bias, its scale `scale`: affine's as stored, iq4_nl's 0,
+// symmetric's -2^(BITS - 1) times the scale (exact).
+template <class V, kvmux_native::ScaleType ST, kvmux_native::Mode MODE, int BITS>
+inline float bias_at(const void* base, size_t i, float scale) {
+  if constexpr (MODE == kvmux_native::Mode::affine)
+    return scale_at<V, ST>(base, i);
+  else
+    return bias_of<MODE, BITS>(scale);
+}
+
+// A weight row's `count` biases from group `first` on as floats (bias_at's,
+// affine's through to_floats), its scales there already floats (`scale`).
 template <class V, kvmux_native::ScaleType ST, kvmux_native::Mode MODE, int BITS>
 inline void biases_to_floats(const void* base, size_t first, int count, const float* scale, float* out) {
   if constexpr (MODE == kvmux_native::Mode::affine)
@@ -214,16 +223,11 @@ void dequantize_row(const kvmux_native::Problem& p, int n, float* dst) {
   const uint8_t* row = p.w + size_t(n) * K * BITS / 8;
   const size_t first = size_t(n) * groups;
   for (int g = 0; g < groups; g += HALF ? 2 : 1) {
-    const float s_lo = scale_at<V, ST>(p.scales, first + g), s_hi_lo = HALF ? scale_at<V, ST>(p.scales, first + g + 1) : s_lo;
-    const auto bias = [&](size_t i, float scale) {
-      if constexpr (MODE == kvmux_native::Mode::affine)
-        return scale_at<V, ST>(p.biases, i);
-      else
-        return bias_of<MODE, BITS>(scale);
-    };
-    const auto s = V::set1(s_lo), s_hi = V::set1(s_hi_lo);
-    const auto b = V::set1(bias(first + g, s_lo));
-    const auto b_hi = HALF ? V::set1(bias(first + g + 1, s_hi_lo)) : b;
+    const float scale = scale_at<V, ST>(p.scales, first + g);
+    const float scale_hi = HALF ? scale_at<V, ST>(p.scales, first + g + 1) : scale;
+    const auto s = V::set1(scale), s_hi = V::set1(scale_hi);
+    const auto b = V::set1(bias_at<V, ST, MODE, BITS>(p.biases, first + g, scale));
+    const auto b_hi = HALF ? V::set1(bias_at<V, ST, MODE, BITS>(p.biases, first + g + 1, scale_hi)) : b;
     const auto table = table_of<V, BITS, MODE>(s, b);
 #pragma GCC unroll 4
     for (int c = 0; c < STEPS; ++c) {
@@ -446,7 +450,7 @@ inline void half_pass(int take, const uint8_t* row, size_t row_bytes, const floa
   if constexpr (MB > 1)
     if (take < MB)
       return half_pass<V, BITS, STEPS, MODE, MB - 1, NB>(take, row, row_bytes, scale, bias, groups, xp, k0, k1, sums,
-                                                   sum_stride);
+                                                         sum_stride);
   constexpr int W = 16 / V::PARTS;
 #pragma GCC unroll 2
   for (int h = 0; h < V::PARTS; ++h) {
@@ -455,7 +459,7 @@ inline void half_pass(int take, const uint8_t* row, size_t row_bytes, const floa
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) acc[j][i] = k0 ? V::loadu_part(sums + j * sum_stride + 16 * i + W * h) : V::zero_part();
     half_rows<V, BITS, STEPS, MODE, MB, NB>(row, row_bytes, scale, bias, groups,
-                                      xp + size_t(k0 / 32) * 2 * V::PARTS * MB * W + h * 2 * MB * W, k0, k1, h, acc);
+                                            xp + size_t(k0 / 32) * 2 * V::PARTS * MB * W + h * 2 * MB * W, k0, k1, h, acc);
     for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) V::store_part(sums + j * sum_stride + 16 * i + W * h, acc[j][i]);
@@ -500,12 +504,12 @@ void halves(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
           even_passes(m0, m1, HALF_ROWS, [&](int m, int take) {
             if (pair == 2)
               half_pass<V, BITS, STEPS, MODE, PAIR_ROWS, 2>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
-                                                      xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
-                                                      size_t(rows) * 16);
+                                                            xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
+                                                            size_t(rows) * 16);
             else
               half_pass<V, BITS, STEPS, MODE, HALF_ROWS, 1>(take, p.w + n * row_bytes, row_bytes, scale, bias, groups,
-                                                      xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
-                                                      size_t(rows) * 16);
+                                                            xp + size_t(m - m0) * K, k0, k1, s + size_t(m - m0) * 16,
+                                                            size_t(rows) * 16);
           });
           n += pair;
         }
