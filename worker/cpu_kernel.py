@@ -155,13 +155,14 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         # code or a level times such a scale is exact: worker/gguf_file.py).
         ones = mx.ones((*scales.shape[:-1], scales.shape[-1] * self.group_size // 32), mx.float32)
         q = mx.dequantize(self["weight"][x], ones, mx.zeros_like(ones), group_size=32, bits=self.bits)
-        q = q.reshape(*scales.shape, self.group_size)
+        q, s = q.reshape(*scales.shape, self.group_size), scales[..., None]
         if self.mode == "iq4_nl":
-            return (IQ4_LEVELS[q.astype(mx.int32)] * scales[..., None]).reshape(*scales.shape[:-1], -1)
-        if self.mode == "symmetric":
-            return ((q - 2 ** (self.bits - 1)) * scales[..., None]).reshape(*scales.shape[:-1], -1)
-        biases = self["biases"][x].astype(mx.float32)
-        return (q * scales[..., None] + biases[..., None]).reshape(*scales.shape[:-1], -1)
+            w = IQ4_LEVELS[q.astype(mx.int32)] * s
+        elif self.mode == "symmetric":
+            w = (q - 2 ** (self.bits - 1)) * s
+        else:
+            w = q * s + self["biases"][x].astype(mx.float32)[..., None]
+        return w.reshape(*scales.shape[:-1], -1)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return product(self, x)

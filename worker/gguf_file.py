@@ -18,9 +18,10 @@ are exactly the gguf package's). Where kvmux_native's kernel runs
 (`kernel`) two more kinds stay quantized, exactly too: Q6_K, Q3_K and Q2_K,
 which have a scale per 16 weights, as 16-weight groups with float32
 scales (`_sixteens`: MLX's layout takes no groups of 16, the kernel does;
-Q6_K's and Q3_K's codes centred, no biases), and IQ4_NL and IQ4_XS, whose 4-bit codes index a table of
-16 int8 values, as those codes and their scales without biases
-(`_nonlinear`: the kernel's mode iq4_nl looks the values up). The rest
+Q6_K's and Q3_K's codes centred, no biases), and IQ4_NL and IQ4_XS, whose
+4-bit codes index a table of 16 int8 values, as those codes and their
+scales without biases (`_nonlinear`: the kernel's mode iq4_nl looks the
+values up). The rest
 are dequantized to float32 by the gguf package (llama.cpp's gguf-py: the
 values llama.cpp computes with). Where weights stay quantized on a GPU
 (`requantize`) every encoding but the affine five, the K-quants included,
@@ -159,7 +160,7 @@ def read_tensors(path: Path, header: Header, requantize: bool, kernel: bool = Fa
         elif as_stored(tensor.encoding, requantize, kernel):
             triplet = _affine(raw.reshape(rows, cols // block, size), tensor.encoding)
             for part, array in zip(("weight", "scales", "biases"), triplet, strict=True):
-                if array is not None:  # NONLINEAR's biases
+                if array is not None:  # the biases of a mode without them (`mode`)
                     weights[f"{prefix}.{part}"] = mx.array(array.reshape(*tensor.shape[:-1], -1))
         else:
             values = mx.array(dequantize(raw, tensor.encoding).reshape(tensor.shape))
@@ -310,7 +311,7 @@ def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, 
         codes = (ql & np.uint8(0x0F)).reshape(-1, 256) | ((qh & np.uint8(3)) << np.uint8(4)).reshape(-1, 256)
         d = flat[:, 208:210].copy().view(np.float16).astype(np.float32)
         scales = d * flat[:, 192:208].view(np.int8).astype(np.float32)
-        biases = None  # -32 * scale
+        biases = None  # -32 * scale: symmetric
     elif encoding == Q.Q3_K:  # 32 bytes of high bits, 64 of low 2 bits, 12 of 6-bit scales, d
         low = flat[:, 32:96].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         high = flat[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
@@ -321,14 +322,13 @@ def _sixteens(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, 
         sc = ((lows & np.uint8(0x0F)) | ((highs & np.uint8(3)) << np.uint8(4))).astype(np.float32) - 32
         d = flat[:, 108:110].copy().view(np.float16).astype(np.float32)
         scales = d * sc  # a weight is scale * (q - 4), q the 3 bits (the high bit set: no offset)
-        biases = None  # -4 * scale
+        biases = None  # -4 * scale: symmetric
     else:  # Q2_K: 16 bytes of 4-bit scales and minimums, 64 of 2-bit codes, d, dmin
         codes = (flat[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         d = flat[:, 80:82].copy().view(np.float16).astype(np.float32)
         dmin = flat[:, 82:84].copy().view(np.float16).astype(np.float32)
         scales = d * (flat[:, :16] & np.uint8(0x0F)).astype(np.float32)
-        biases = -(dmin * (flat[:, :16] >> np.uint8(4)).astype(np.float32))
-    biases = None if biases is None else biases.reshape(rows, -1)
+        biases = -(dmin * (flat[:, :16] >> np.uint8(4)).astype(np.float32)).reshape(rows, -1)
     return _packed(codes.reshape(rows, -1), SIXTEENS[encoding]), scales.reshape(rows, -1), biases
 
 

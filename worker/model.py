@@ -161,7 +161,7 @@ def _load_gguf(
     layouts = _layouts(model, weights)
     if layouts and keep_quantized:
         _quantize(model, layouts, weights)
-    elif layouts:  # no NONLINEAR tensor: they stay quantized on the kernel only (gguf_file)
+    elif layouts:  # affine ones only: the other modes and groups of 16 exist on the kernel only (gguf_file)
         for prefix, (bits, _, _) in layouts.items():
             q = (weights.pop(f"{prefix}.{piece}") for piece in ("weight", "scales", "biases"))
             weights[f"{prefix}.weight"] = _dequantize_float32(*q, bits=bits)
