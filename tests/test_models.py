@@ -252,14 +252,16 @@ def test_architectures_compute_as_transformers(tmp_path, arch):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("embedding", ["Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("embedding", ["Q6_K", "IQ4_XS", "Q8_0"])
 def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, embedding):
-    """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights)
-    and IQ4_XS and IQ4_NL (4-bit indices into a table), its tied embedding
-    Q6_K or IQ4_XS: on kvmux_native's kernel its layers keep them quantized
-    (groups of 16, the symmetric and iq4_nl modes; fused layer ops, the
-    embedding's rows and its use as the head), and its logits equal those
-    of the float32 copy gguf-py decodes, up to the order of the sums."""
+    """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights),
+    IQ4_XS and IQ4_NL (4-bit indices into a table) in one layer, Q4_0,
+    Q5_0, Q8_0 (no minimum), Q4_1 and Q5_1 in the other, its tied
+    embedding Q6_K, IQ4_XS or Q8_0: on kvmux_native's kernel its layers keep
+    them quantized (groups of 16, the symmetric and iq4_nl modes, no
+    biases where the kernel makes them from the scales; fused layer ops,
+    the embedding's rows and its use as the head), and its logits equal
+    those of the float32 copy gguf-py decodes, up to the order of the sums."""
     pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
     from gguf import GGMLQuantizationType as Q
     from mlx import nn
@@ -269,15 +271,19 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
 
     rng = np.random.default_rng(1)
     hidden, layers, vocab = 256, 2, 96
-    encodings = {"attn_q": Q.Q6_K, "attn_k": Q.Q3_K, "attn_v": Q.Q2_K, "attn_output": Q.IQ4_XS}
-    encodings |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_NL, "ffn_down": Q.Q6_K}
+    encodings = [
+        {"attn_q": Q.Q6_K, "attn_k": Q.Q3_K, "attn_v": Q.Q2_K, "attn_output": Q.IQ4_XS},
+        {"attn_q": Q.Q4_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1},
+    ]
+    encodings[0] |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_NL, "ffn_down": Q.Q6_K}
+    encodings[1] |= {"ffn_gate": Q.Q5_1, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_0}
     shapes = {"attn_k": 128, "attn_v": 128}  # 2 KV heads of 64
     tensors = {"token_embd.weight": (Q[embedding], _blocks(rng, Q[embedding], vocab, hidden, 1e-4))}
     tensors["output_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
     for i in range(layers):
         tensors[f"blk.{i}.attn_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
         tensors[f"blk.{i}.ffn_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
-        for name, encoding in encodings.items():
+        for name, encoding in encodings[i].items():
             tensors[f"blk.{i}.{name}.weight"] = (
                 encoding,
                 _blocks(rng, encoding, shapes.get(name, hidden), hidden, 1e-4),
@@ -309,6 +315,11 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
         (3, 16, "symmetric"),
         (2, 16, "affine"),
         (4, 32, "iq4_nl"),
+        (4, 32, "symmetric"),
+        (5, 32, "symmetric"),
+        (8, 32, "symmetric"),
+        (4, 32, "affine"),
+        (5, 32, "affine"),
     }
     assert all(("biases" in m) == (m.mode == "affine") for _, m in model.named_modules() if hasattr(m, "mode"))
     assert all(cpu_kernel.fused(layer) for layer in model.model.layers)
@@ -322,7 +333,7 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
         kvmux_command("doctor", "--model", str(tmp_path / "k.gguf"), "--timeout", "0.1"), capture_output=True, text=True
     )
     [line] = [line for line in doctor.stdout.splitlines() if line.split()[1:2] == ["model"]]
-    assert line.endswith("(as stored: IQ4_NL IQ4_XS Q2_K Q3_K Q6_K)"), line
+    assert line.endswith("(as stored: IQ4_NL IQ4_XS Q2_K Q3_K Q4_0 Q4_1 Q5_0 Q5_1 Q6_K Q8_0)"), line
 
 
 def test_llama3_rope_freqs_compute_as_transformers(tmp_path):
@@ -441,14 +452,16 @@ def test_llama31_tools_through_the_daemon(llama3, llama3_stack):
 
 
 def _blocks(rng, encoding, rows: int, cols: int, d: float = 1e-3) -> np.ndarray:
-    """Random blocks of a K-quant or IQ4, their float16 d (and dmin) in [d, 10 d)."""
+    """Random blocks of a block encoding, their float16 d (and dmin or m) in [d, 10 d)."""
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
     block, size = GGML_QUANT_SIZES[encoding]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    # Q4_K, Q5_K: d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin last; the IQ4s: d first
-    offsets = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108], Q.Q2_K: [80, 82]}
+    # Q4_K, Q5_K (and Q4_1, Q5_1: d, m): d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin
+    # last; the IQ4s, Q4_0, Q5_0 and Q8_0: d first
+    offsets = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108]}
+    offsets[Q.Q2_K] = [80, 82]
     for at in offsets.get(encoding, [0]):
         raw[..., at : at + 2] = rng.uniform(d, 10 * d, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)

@@ -32,7 +32,7 @@ def quantized(n: int, k: int, bits: int, group: int, seed: int, scales=mx.float1
     keep them; groups of 16 (which mx.quantize does not make) with float32
     scales, as worker/gguf_file.py keeps Q6_K, Q3_K and Q2_K; iq4_nl and
     symmetric: codes with scales and no biases (None), as it keeps IQ4_NL and
-    IQ4_XS, and Q6_K and Q3_K."""
+    IQ4_XS, and worker/model.py Q6_K, Q3_K, Q4_0, Q5_0 and Q8_0."""
     w = mx.random.normal((n, k), key=mx.random.key(seed))
     codes, s, b = mx.quantize(w, group_size=max(group, 32), bits=bits)
     if mode != "affine":
@@ -66,7 +66,8 @@ def reference(x, codes, s, b, group, bits, mode="affine"):
     [(b, g, "affine") for b in (4, 8, 2, 3, 5, 6) for g in (32, 64, 128)]
     + [(b, 16, "affine") for b in (2, 3, 5, 6)]
     + [(4, g, "iq4_nl") for g in (32, 64)]
-    + [(b, g, "symmetric") for b in (3, 6) for g in (16, 32)],
+    + [(b, g, "symmetric") for b in (3, 6) for g in (16, 32)]
+    + [(b, 32, "symmetric") for b in (4, 5, 8)],
 )
 def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_count(bits, group, mode):
     codes, s, b = quantized(96, 640, bits, group, seed=bits * group, mode=mode)
@@ -87,7 +88,9 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
 # and Q2_K) give each half of a 32-weight step its own scale; iq4_nl's
 # codes are looked up (AVX2's byte shuffle, AVX-512's table, the scalar
 # loop's index), with float16 scales (IQ4_NL's) and float32 (IQ4_XS's);
-# symmetric codes' biases are made from their scales (Q6_K's and Q3_K's).
+# symmetric codes' biases are made from their scales (Q6_K's and Q3_K's
+# float32 ones in groups of 16, Q4_0's and Q8_0's float16 ones, halves' on
+# AVX2).
 @pytest.mark.parametrize(
     ("bits", "k", "group", "mode"),
     [
@@ -104,10 +107,12 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
         (4, 1536, 32, "iq4_nl"),
         (6, 1536, 16, "symmetric"),
         (3, 576, 16, "symmetric"),
+        (4, 576, 32, "symmetric"),
+        (8, 1536, 32, "symmetric"),
     ],
 )
 def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group, mode):
-    scales = mx.float32 if mode == "symmetric" or (mode, k) == ("iq4_nl", 1536) else mx.float16
+    scales = mx.float32 if (mode, group) == ("symmetric", 16) or (mode, k) == ("iq4_nl", 1536) else mx.float16
     codes, s, b = quantized(202, k, bits, group, seed=bits, scales=scales, mode=mode)  # a last block of 2 weight rows
 
     def product(x):
@@ -131,6 +136,25 @@ def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruc
     first = next(iter(whole.values()))
     for isa, out in whole.items():  # the same sums in the same order: AVX-512, AVX2 and scalar agree
         assert mx.array_equal(out, first).item(), isa
+
+
+@pytest.mark.parametrize(("bits", "group"), [(3, 16), (4, 32), (5, 32), (6, 16), (8, 32)])
+def test_symmetric_codes_are_the_affine_products_with_their_biases_made_from_the_scales(bits, group):
+    """Q3_K, Q4_0, Q5_0, Q6_K and Q8_0 kept without biases: the same bits as
+    with the biases -2^(bits - 1) * scale stored (what MLX's GGUF reader
+    makes of Q4_0 and Q8_0), the int8 products of 4 and 8 bits too (their
+    pack made with those biases)."""
+    scales = mx.float32 if group == 16 else mx.float16
+    codes, s, _ = quantized(40, 576, bits, group, seed=bits, scales=scales, mode="symmetric")
+    b = s * -(2 ** (bits - 1))
+    x = mx.random.normal((9, 576), key=mx.random.key(bits))
+    want = native.qmatmul(x, codes, s, b, group, bits)
+    assert mx.array_equal(native.qmatmul(x, codes, s, None, group, bits, mode="symmetric"), want).item()
+    if bits in (4, 8):
+        packed = native.pack(codes, s, b, group, bits)
+        want = native.qmatmul(x, codes, s, b, group, bits, packed=packed)
+        got = native.qmatmul(x, codes, s, None, group, bits, packed=packed, mode="symmetric")
+        assert mx.array_equal(got, want).item()
 
 
 def test_scale_types_and_shapes_a_model_passes():
@@ -166,14 +190,14 @@ def test_bad_arguments_are_refused_by_name():
     for args, mode, words in [
         ((x, codes, s, None, 32, 4), "nf4", "mode must be affine, iq4_nl or symmetric, not nf4"),
         ((x, codes, s, b, 32, 4), "iq4_nl", "iq4_nl takes no biases"),
-        ((x, codes, s, None, 32, 4), "symmetric", "symmetric codes are 3 or 6 bits"),
+        ((x, *quantized(8, 64, 2, 32, seed=0, mode="symmetric"), 32, 2), "symmetric", "symmetric codes are 3, 4,"),
         ((x, *quantized(8, 64, 6, 32, seed=0), 32, 6), "symmetric", "symmetric takes no biases"),
         ((x, codes, s, None, 32, 8), "iq4_nl", "iq4_nl codes are 4 bits"),
         ((x, codes, s, None, 32, 4), "affine", "scales and biases"),
     ]:
         with pytest.raises(ValueError, match=words):
             native.qmatmul(*args, mode=mode)
-    with pytest.raises(ValueError, match="int8 products take affine codes"):
+    with pytest.raises(ValueError, match="int8 products take affine and symmetric codes, not iq4_nl"):
         native.qmatmul(x, codes, s, None, 32, 4, packed=native.pack(codes, s, b, 32, 4), mode="iq4_nl")
     with pytest.raises(ValueError, match="no kernel named"):
         native.set_isa("sse9")
@@ -757,6 +781,9 @@ def test_the_model_reads_its_weights_as_stored(models):
     layers = dict(kernel.model.named_modules())
     assert isinstance(layers["model.layers.0.self_attn.q_proj"], cpu_kernel.QuantizedLinear)
     assert isinstance(layers["model.embed_tokens"], cpu_kernel.QuantizedEmbedding)
+    # Q8_0's biases are -128 times its scales: symmetric, none kept; Q4_1's stay.
+    assert layers["model.embed_tokens"].mode == "symmetric" and "biases" not in layers["model.embed_tokens"]
+    assert layers["model.layers.0.self_attn.q_proj"].mode == "affine"
     assert isinstance(layers["model.norm"], cpu_kernel.RMSNorm)
     assert all(cpu_kernel.fused(layer) for layer in kernel.model.model.layers)  # a llama block: three ops a layer
     params = dict(nn.utils.tree_flatten(kernel.model.parameters()))

@@ -21,8 +21,9 @@ otherwise).
 
 Layers in kvmux_native's modes iq4_nl (GGUF's IQ4_NL and IQ4_XS,
 worker/gguf_file.py: 4-bit codes indexing a table of 16 values, scales,
-no biases) and symmetric (Q6_K and Q3_K: codes centred on 2^(bits - 1),
-no biases) exist only where this kernel runs; MLX has neither mode.
+no biases) and symmetric (Q3_K, Q4_0, Q5_0, Q6_K and Q8_0: codes centred
+on 2^(bits - 1), no biases; worker/model.py's `_mode`) exist only where
+this kernel runs; MLX has neither mode.
 
 `select` says which kernel runs, or why none does (not built, built for
 another mlx, a GPU, `off`); the worker then falls back to MLX's own
@@ -30,12 +31,13 @@ quantized layers on a GPU and float32 copies on a CPU, and `describe`
 says so in Compute.
 
 `--cpu-products int8` (`adopt(model, int8=True)`) opts into llama.cpp's
-arithmetic: each 4- or 8-bit affine weight matrix is packed once at load
-(`kvmux_native.pack`: its rows interleaved by 16, its scales beside
-them) and x is quantized to int8 per 32 weights in every product
-(worker/native/src/kernels.h, "int8 products"). Still row-invariant and
-the same on every instruction set, but ~0.5 % off each product: tokens
-differ from the exact products' wherever a choice was that close.
+arithmetic: each 4- or 8-bit affine or symmetric weight matrix is packed
+once at load (`kvmux_native.pack`: its rows interleaved by 16, its
+scales and biases beside them) and x is quantized to int8 per 32 weights
+in every product (worker/native/src/kernels.h, "int8 products"). Still
+row-invariant and the same on every instruction set, but ~0.5 % off
+each product: tokens differ from the exact products' wherever a choice
+was that close.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ log = logs.get("worker.cpu_kernel")
 CHOICES = ("auto", "avx512", "avx2", "scalar", "off")
 PRODUCTS = ("exact", "int8")
 MODES = ("affine", "iq4_nl", "symmetric")  # the quantized layers' modes kvmux_native multiplies
+SYMMETRIC_BITS = (3, 4, 5, 6, 8)  # the widths its symmetric mode takes
 IQ4_LEVELS = mx.array(IQ4_NL.kvalues, mx.float32)  # what an iq4_nl code stands for
 
 
@@ -205,9 +208,9 @@ def adopt(model: nn.Module, int8: bool = False) -> None:
         mode = getattr(module, "mode", "affine")
         if kind is not None and mode in MODES:
             module.__class__ = kind
-            if int8 and kind in (QuantizedLinear, QuantizedEmbedding) and module.bits in (4, 8) and mode == "affine":
+            if int8 and kind in (QuantizedLinear, QuantizedEmbedding) and module.bits in (4, 8) and mode != "iq4_nl":
                 module.__dict__[_PACKED_MARK] = kvmux_native.pack(
-                    module["weight"], module["scales"], module["biases"], module.group_size, module.bits
+                    module["weight"], module["scales"], _biases(module), module.group_size, module.bits
                 )
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             floats = {k: v.astype(mx.float32) for k, v in module.items() if _is_float(v)}
@@ -220,6 +223,14 @@ def adopt(model: nn.Module, int8: bool = False) -> None:
                 _projections(attn.q_proj, attn.k_proj, attn.v_proj),
                 _projections(mlp.gate_proj, mlp.up_proj, mlp.down_proj),
             )
+
+
+def _biases(module: nn.Module) -> mx.array:
+    """An affine or symmetric module's biases: a symmetric one's made from
+    its scales (exactly: a power of two times each)."""
+    if module.mode == "symmetric":
+        return module["scales"] * -(2 ** (module.bits - 1))
+    return module["biases"]
 
 
 # A fused layer's projections as kvmux_native's layer ops take them, made

@@ -190,8 +190,9 @@ def as_stored(encoding: Q, requantize: bool, kernel: bool) -> bool:
 
 def mode(bits: int, biases: bool) -> str:
     """The kvmux_native mode of a quantized tensor read_tensors made: affine
-    with biases; without, iq4_nl at 4 bits (NONLINEAR), symmetric at 3 and
-    6 (Q3_K and Q6_K)."""
+    with biases (worker/model.py's `_mode` finds the symmetric ones among
+    them: Q4_0, Q5_0, Q8_0); without, iq4_nl at 4 bits (NONLINEAR),
+    symmetric at 3 and 6 (Q3_K and Q6_K)."""
     if biases:
         return "affine"
     return "iq4_nl" if bits == 4 else "symmetric"

@@ -158,7 +158,7 @@ def _load_gguf(
         raise ValueError(f"{path.name}: {exc}") from None
     if part is not None:
         weights = part.keep(model, weights)
-    layouts = _layouts(model, weights)
+    layouts = _layouts(model, weights, on_kernel)
     if layouts and keep_quantized:
         _quantize(model, layouts, weights)
     elif layouts:  # affine ones only: the other modes and groups of 16 exist on the kernel only (gguf_file)
@@ -169,11 +169,11 @@ def _load_gguf(
     return model, bool(layouts) and keep_quantized
 
 
-def _layouts(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, tuple[int, int, str]]:
+def _layouts(model: nn.Module, weights: dict[str, mx.array], kernel: bool) -> dict[str, tuple[int, int, str]]:
     """Each quantized tensor's bits, group size and mode (they vary per
     tensor), from the width K of the float layer it replaces: its packed
     uint32 columns are K * bits / 32, its scales K / group; its mode
-    gguf_file.mode's (one without biases is not affine)."""
+    `_mode`'s."""
     modules = dict(model.named_modules())
     layouts = {}
     for name, scales in weights.items():
@@ -181,8 +181,30 @@ def _layouts(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, tuple[
             prefix = name.removesuffix(".scales")
             k = modules[prefix].weight.shape[-1]
             bits = weights[f"{prefix}.weight"].shape[-1] * 32 // k
-            layouts[prefix] = (bits, k // scales.shape[-1], gguf_file.mode(bits, f"{prefix}.biases" in weights))
+            mode = _mode(bits, scales, weights.get(f"{prefix}.biases"), kernel)
+            layouts[prefix] = (bits, k // scales.shape[-1], mode)
     return layouts
+
+
+def _mode(bits: int, scales: mx.array, biases: mx.array | None, kernel: bool) -> str:
+    """A tensor's kvmux_native mode: gguf_file.mode's (one without biases is
+    not affine), or where that kernel runs (`kernel`) symmetric for one
+    whose every bias is -2^(bits - 1) times its scale, the bias the kernel
+    makes from the scale (Q4_0's, Q5_0's and Q8_0's: their biases' bytes
+    need not be kept, nor read every token)."""
+    if biases is None or not kernel or bits not in cpu_kernel.SYMMETRIC_BITS:
+        return gguf_file.mode(bits, biases is not None)
+    # Compared some rows at a time: float32 temporaries of a whole tensor's
+    # biases would stay in MLX's buffer cache, more bytes than are saved.
+    rows = max(1, _COMPARED_GROUPS // scales.shape[-1])
+    for i in range(0, scales.shape[0], rows):
+        made = scales[i : i + rows].astype(mx.float32) * -(2 ** (bits - 1))
+        if not mx.array_equal(biases[i : i + rows].astype(mx.float32), made).item():
+            return "affine"
+    return "symmetric"
+
+
+_COMPARED_GROUPS = 1 << 16
 
 
 def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int, str]], weights: dict[str, mx.array]) -> None:
@@ -204,6 +226,7 @@ def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int, str]], weight
         module.group_size, module.mode = group, mode
         if mode != "affine":
             del module["biases"]
+            weights.pop(f"{prefix}.biases", None)  # a symmetric one's that _mode found made from its scales
         if group == 16:  # its arrays' shapes too, which load_weights checks
             module.update({part: weights[f"{prefix}.{part}"] for part in ("scales", "biases") if part in module})
 
@@ -278,6 +301,7 @@ def load(
         model = _to_cpu_float32(model)
     model.eval()
     mx.eval(model.parameters())
+    mx.clear_cache()  # what loading freed (biases dropped, float32 temporaries) goes back, not to MLX's cache
     if on_kernel:
         used = replace(chosen, products=products)
     else:

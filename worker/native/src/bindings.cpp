@@ -33,7 +33,8 @@ NB_MODULE(_ext, m) {
         "mode \"iq4_nl\": 4-bit codes index IQ4_NL's 16 values, w = level * scale, biases None; \"symmetric\": "
         "w = (q - 2^(bits - 1)) * scale, biases None.");
   m.def("pack", &kvmux_native::pack, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
-        "W (4 or 8 bits) packed for the int8 products: its codes and its scales and biases, two arrays.");
+        "W (4 or 8 bits) packed for the int8 products: its codes and its scales and biases, two arrays "
+        "(a symmetric W's: its biases -2^(bits - 1) * scales).");
   m.def(
       "attention_in",
       [](const mx::array& h, const mx::array& norm, float eps, const std::vector<mx::array>& arrays,

@@ -686,28 +686,35 @@ void block_bits(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, 
   }
 }
 
+// The codes' width: MODE's block_bits for p.bits (symmetric codes are
+// never 2 bits: check_quantized refuses them, so none is compiled).
+template <class V, kvmux_native::Mode MODE, kvmux_native::DirectRows D, int NB, int MB>
+void block_width(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
+  switch (p.bits) {
+    case 4:
+      return block_bits<V, 4, MODE, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
+    case 8:
+      return block_bits<V, 8, MODE, D.of(8), NB, MB>(p, n0, n1, m0, m1, scratch);
+    case 2:
+      if constexpr (MODE == kvmux_native::Mode::affine)
+        return block_bits<V, 2, MODE, D.of(2), NB, MB>(p, n0, n1, m0, m1, scratch);
+      return;
+    case 3:
+      return block_bits<V, 3, MODE, D.of(3), NB, MB>(p, n0, n1, m0, m1, scratch);
+    case 5:
+      return block_bits<V, 5, MODE, D.of(5), NB, MB>(p, n0, n1, m0, m1, scratch);
+    default:
+      return block_bits<V, 6, MODE, D.of(6), NB, MB>(p, n0, n1, m0, m1, scratch);
+  }
+}
+
 // D: the rows of x each width takes straight from the codes (kernels.h).
 template <class V, kvmux_native::DirectRows D, int NB, int MB>
 void block(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1, float* scratch) {
   using kvmux_native::Mode;
   if (p.mode == Mode::iq4_nl) return block_bits<V, 4, Mode::iq4_nl, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
-  if (p.mode == Mode::symmetric)  // 3 or 6 bits (check_quantized): GGUF's Q3_K and Q6_K
-    return p.bits == 3 ? block_bits<V, 3, Mode::symmetric, D.of(3), NB, MB>(p, n0, n1, m0, m1, scratch)
-                       : block_bits<V, 6, Mode::symmetric, D.of(6), NB, MB>(p, n0, n1, m0, m1, scratch);
-  switch (p.bits) {
-    case 4:
-      return block_bits<V, 4, Mode::affine, D.of(4), NB, MB>(p, n0, n1, m0, m1, scratch);
-    case 8:
-      return block_bits<V, 8, Mode::affine, D.of(8), NB, MB>(p, n0, n1, m0, m1, scratch);
-    case 2:
-      return block_bits<V, 2, Mode::affine, D.of(2), NB, MB>(p, n0, n1, m0, m1, scratch);
-    case 3:
-      return block_bits<V, 3, Mode::affine, D.of(3), NB, MB>(p, n0, n1, m0, m1, scratch);
-    case 5:
-      return block_bits<V, 5, Mode::affine, D.of(5), NB, MB>(p, n0, n1, m0, m1, scratch);
-    default:
-      return block_bits<V, 6, Mode::affine, D.of(6), NB, MB>(p, n0, n1, m0, m1, scratch);
-  }
+  if (p.mode == Mode::symmetric) return block_width<V, Mode::symmetric, D, NB, MB>(p, n0, n1, m0, m1, scratch);
+  return block_width<V, Mode::affine, D, NB, MB>(p, n0, n1, m0, m1, scratch);
 }
 
 }  // namespace

@@ -22,10 +22,10 @@
 // Two modes store no biases. Mode::iq4_nl (GGUF's IQ4_NL and IQ4_XS) is
 // the same but for the value a code stands for: its 4-bit code indexes
 // IQ4_LEVELS, a table of 16 int8s, and w = level * scale, in the same
-// order and sums as 4-bit affine codes. Mode::symmetric (GGUF's Q6_K and
-// Q3_K: 6 or 3 bits) centres the codes: w = (q - 2^(bits - 1)) * scale,
-// one rounding (fma(q, scale, bias) with the bias -2^(bits - 1) * scale,
-// exact).
+// order and sums as 4-bit affine codes. Mode::symmetric (GGUF's Q3_K,
+// Q4_0, Q5_0, Q6_K and Q8_0: 3 to 8 bits, not 2) centres the codes:
+// w = (q - 2^(bits - 1)) * scale, one rounding (fma(q, scale, bias) with
+// the bias -2^(bits - 1) * scale, exact).
 
 #pragma once
 

@@ -33,7 +33,8 @@ int check_layer(const std::string& op, const mx::array& h, const mx::array& norm
     if (int(ps.packed.size()) != 2 * count) fail("packed must be each projection's pack(), two arrays each");
     for (int i = 0; i < count; ++i)
       if (ps.packed[2 * i].size() > 0) {  // empty: this one's exact products
-        if (!ps.modes.empty() && ps.modes[i] != Mode::affine) fail("the int8 products take affine codes");
+        if (!ps.modes.empty() && ps.modes[i] == Mode::iq4_nl)
+          fail("the int8 products take affine and symmetric codes, not iq4_nl");
         check_packed(ps.arrays[3 * i], ps.arrays[3 * i + 1], ps.groups[i], ps.bits[i], ps.packed[2 * i],
                      ps.packed[2 * i + 1], op);
       }

@@ -443,8 +443,7 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   if (mode == Mode::iq4_nl && bits != 4) fail("iq4_nl codes are 4 bits, not " + std::to_string(bits));
-  if (mode == Mode::symmetric && bits != 3 && bits != 6)
-    fail("symmetric codes are 3 or 6 bits (GGUF's Q3_K and Q6_K), not " + std::to_string(bits));
+  if (mode == Mode::symmetric && bits == 2) fail("symmetric codes are 3, 4, 5, 6 or 8 bits, not 2");
   // 16 (GGUF's Q6_K, Q3_K and Q2_K) for the widths whose kernels take a
   // scale per 16 weights; 4 and 8 bits' (halves, TABLE4, int8) take one
   // per 32 at most.
@@ -509,7 +508,7 @@ mx::array qmatmul(
   }
   if (!packed.empty()) {
     if (packed.size() != 2) fail("packed must be pack()'s two arrays");
-    if (mode != Mode::affine) fail("the int8 products take affine codes");
+    if (mode == Mode::iq4_nl) fail("the int8 products take affine and symmetric codes, not iq4_nl");
     check_packed(w, scales, group_size, bits, packed[0], packed[1], "qmatmul");
     inputs.insert(inputs.end(), packed.begin(), packed.end());
   }

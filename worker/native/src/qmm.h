@@ -43,7 +43,8 @@ Mode mode_of(const std::string& name, const std::string& op);
 
 // W in the int8 products' packed layout (kernels.h): its codes (uint8,
 // (N rounded up to 16, K * bits / 8)) and scales and biases (scales'
-// dtype, (N / 16 rounded up, 32 per group)). 4- and 8-bit weights.
+// dtype, (N / 16 rounded up, 32 per group)). 4- and 8-bit weights; a
+// symmetric W's is its affine twin's (biases -2^(bits - 1) * scales).
 std::vector<mx::array> pack(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                             int bits);
 
