@@ -186,6 +186,11 @@ def _layouts(model: nn.Module, weights: dict[str, mx.array], kernel: bool) -> di
     return layouts
 
 
+# Groups whose biases `_mode` compares at a time: float32 temporaries of a
+# whole tensor's would stay in MLX's buffer cache, more bytes than it saves.
+_COMPARED_GROUPS = 1 << 16
+
+
 def _mode(bits: int, scales: mx.array, biases: mx.array | None, kernel: bool) -> str:
     """A tensor's kvmux_native mode: gguf_file.mode's (one without biases is
     not affine), or where that kernel runs (`kernel`) symmetric for one
@@ -194,17 +199,12 @@ def _mode(bits: int, scales: mx.array, biases: mx.array | None, kernel: bool) ->
     need not be kept, nor read every token)."""
     if biases is None or not kernel or bits not in cpu_kernel.SYMMETRIC_BITS:
         return gguf_file.mode(bits, biases is not None)
-    # Compared some rows at a time: float32 temporaries of a whole tensor's
-    # biases would stay in MLX's buffer cache, more bytes than are saved.
     rows = max(1, _COMPARED_GROUPS // scales.shape[-1])
     for i in range(0, scales.shape[0], rows):
         made = scales[i : i + rows].astype(mx.float32) * -(2 ** (bits - 1))
         if not mx.array_equal(biases[i : i + rows].astype(mx.float32), made).item():
             return "affine"
     return "symmetric"
-
-
-_COMPARED_GROUPS = 1 << 16
 
 
 def _quantize(model: nn.Module, layouts: dict[str, tuple[int, int, str]], weights: dict[str, mx.array]) -> None:
