@@ -256,12 +256,14 @@ def test_architectures_compute_as_transformers(tmp_path, arch):
 def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, embedding):
     """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights),
     IQ4_XS and IQ4_NL (4-bit indices into a table) in one layer, Q4_0,
-    Q5_0, Q8_0 (no minimum), Q4_1 and Q5_1 in the other, its tied
-    embedding Q6_K, IQ4_XS or Q8_0: on kvmux_native's kernel its layers keep
-    them quantized (groups of 16, the symmetric and iq4_nl modes, no
-    biases where the kernel makes them from the scales; fused layer ops,
-    the embedding's rows and its use as the head), and its logits equal
-    those of the float32 copy gguf-py decodes, up to the order of the sums."""
+    Q5_0, Q8_0 (no minimum), Q4_1 and Q5_1 in the next, the i-quants
+    below 4 bits (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) in the last, its
+    tied embedding Q6_K, IQ4_XS or Q8_0: on kvmux_native's kernel its
+    layers keep them quantized (groups of 16, the symmetric and iq4_nl
+    modes, no biases where the kernel makes them from the scales; fused
+    layer ops, the embedding's rows and its use as the head), and its
+    logits equal those of the float32 copy gguf-py decodes, up to the
+    order of the sums."""
     pytest.importorskip("kvmux_native", reason="make setup builds worker/native")
     from gguf import GGMLQuantizationType as Q
     from mlx import nn
@@ -270,13 +272,15 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
     from kvmux.worker.model import _load_gguf
 
     rng = np.random.default_rng(1)
-    hidden, layers, vocab = 256, 2, 96
+    hidden, layers, vocab = 256, 3, 96
     encodings = [
         {"attn_q": Q.Q6_K, "attn_k": Q.Q3_K, "attn_v": Q.Q2_K, "attn_output": Q.IQ4_XS},
         {"attn_q": Q.Q4_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1},
     ]
     encodings[0] |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_NL, "ffn_down": Q.Q6_K}
     encodings[1] |= {"ffn_gate": Q.Q5_1, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_0}
+    encodings.append({"attn_q": Q.IQ2_XXS, "attn_k": Q.IQ3_XXS, "attn_v": Q.IQ3_S, "attn_output": Q.IQ1_S})
+    encodings[2] |= {"ffn_gate": Q.IQ1_M, "ffn_up": Q.IQ2_XXS, "ffn_down": Q.IQ3_S}
     shapes = {"attn_k": 128, "attn_v": 128}  # 2 KV heads of 64
     tensors = {"token_embd.weight": (Q[embedding], _blocks(rng, Q[embedding], vocab, hidden, 1e-4))}
     tensors["output_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
@@ -318,6 +322,7 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
         (4, 32, "symmetric"),
         (5, 32, "symmetric"),
         (8, 32, "symmetric"),
+        (5, 16, "symmetric"),
         (4, 32, "affine"),
         (5, 32, "affine"),
     }
@@ -333,7 +338,8 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
         kvmux_command("doctor", "--model", str(tmp_path / "k.gguf"), "--timeout", "0.1"), capture_output=True, text=True
     )
     [line] = [line for line in doctor.stdout.splitlines() if line.split()[1:2] == ["model"]]
-    assert line.endswith("(as stored: IQ4_NL IQ4_XS Q2_K Q3_K Q4_0 Q4_1 Q5_0 Q5_1 Q6_K Q8_0)"), line
+    stored = "IQ1_M IQ1_S IQ2_XXS IQ3_S IQ3_XXS IQ4_NL IQ4_XS Q2_K Q3_K Q4_0 Q4_1 Q5_0 Q5_1 Q6_K Q8_0"
+    assert line.endswith(f"(as stored: {stored})"), line
 
 
 def test_llama3_rope_freqs_compute_as_transformers(tmp_path):
@@ -459,11 +465,17 @@ def _blocks(rng, encoding, rows: int, cols: int, d: float = 1e-3) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[encoding]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     # Q4_K, Q5_K (and Q4_1, Q5_1: d, m): d and dmin first; Q6_K, Q3_K: d last; Q2_K: d and dmin
-    # last; the IQ4s, Q4_0, Q5_0 and Q8_0: d first
+    # last; IQ1_M: below; the other IQs, Q4_0, Q5_0 and Q8_0: d first
     offsets = {Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q6_K: [208], Q.Q3_K: [108]}
     offsets[Q.Q2_K] = [80, 82]
-    for at in offsets.get(encoding, [0]):
-        raw[..., at : at + 2] = rng.uniform(d, 10 * d, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
+    ds = rng.uniform(d, 10 * d, (rows, cols // block, len(offsets.get(encoding, [0])))).astype(np.float16)
+    if encoding == Q.IQ1_M:  # d's 16 bits in the top nibbles of the last 4 uint16s
+        words = raw[..., 48:56].copy().view(np.uint16)
+        words = (words & 0x0FFF) | (((ds.view(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & 15) << 12)
+        raw[..., 48:56] = words.view(np.uint8)
+        return raw.reshape(rows, -1)
+    for i, at in enumerate(offsets.get(encoding, [0])):
+        raw[..., at : at + 2] = ds[..., i : i + 1].view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -620,6 +632,38 @@ def _iq4_xs(raw: np.ndarray) -> np.ndarray:
                 dl * np.float32(IQ4_VALUES[q >> 4]) for q in part
             ]
     return np.array(out, np.float32).reshape(raw.shape[0], -1)
+
+
+def test_i_quants_below_4_bits_stay_codes_on_the_kernel(tmp_path):
+    """IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M where kvmux_native's kernel
+    runs: centred codes of 8 or 5 bits and float32 scales, no biases (its
+    symmetric mode), whose weights are gguf-py's, the float32 path's, bit
+    for bit; IQ2_XS (7-bit integers, a scale per 16) float32 either way."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from kvmux.worker import gguf_file
+
+    rng = np.random.default_rng(2)
+    encodings = [Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XS]
+    tensors = {f"{e.name}.weight": (e, _blocks(rng, e, 8, 512)) for e in encodings}
+    _write(tmp_path / "iq.gguf", tensors)
+    header = gguf_file.read_header(tmp_path / "iq.gguf")
+    kernel = gguf_file.read_tensors(tmp_path / "iq.gguf", header, requantize=False, kernel=True)
+    floats = gguf_file.read_tensors(tmp_path / "iq.gguf", header, requantize=False)
+    for e in encodings:
+        want = dequantize(tensors[f"{e.name}.weight"][1], e)
+        assert np.array_equal(np.array(floats[f"{e.name}.weight"]), want), e.name
+        if e not in gguf_file.CODEBOOKS:
+            assert kernel[f"{e.name}.weight"].dtype == mx.float32
+            continue
+        bits, group = gguf_file.CODEBOOKS[e], 16 if e == Q.IQ1_M else 32
+        codes, s = kernel[f"{e.name}.weight"], kernel[f"{e.name}.scales"]
+        assert f"{e.name}.biases" not in kernel and s.dtype == mx.float32 and s.shape == (8, 512 // group), e.name
+        ones = mx.ones((8, 512 // 32), mx.float32)
+        q = np.array(mx.dequantize(codes, ones, mx.zeros_like(ones), group_size=32, bits=bits), np.float64)
+        w = ((q.reshape(8, -1, group) - 2 ** (bits - 1)) * np.array(s, np.float64)[..., None]).astype(np.float32)
+        assert np.array_equal(w.reshape(8, -1), want), e.name
 
 
 def test_block_encodings_decode_as_llama_cpp(tmp_path):

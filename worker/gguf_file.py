@@ -3,7 +3,7 @@ MLX arrays in the two forms worker/model.py loads: float arrays, or MLX's
 affine quantized triplets (`name.weight` packed uint32, `name.scales`,
 `name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS`). A
 tensor without biases is one of kvmux_native's other modes (`mode`):
-iq4_nl for `NONLINEAR`, symmetric for Q6_K and Q3_K.
+iq4_nl for `NONLINEAR`, symmetric for Q6_K, Q3_K and `CODEBOOKS`.
 
 Q4_0, Q4_1 and Q8_0 blocks already are that affine code (`w = scale * q +
 bias` per 32 weights): they become triplets losslessly, as MLX's own GGUF
@@ -21,8 +21,13 @@ scales (`_sixteens`: MLX's layout takes no groups of 16, the kernel does;
 Q6_K's and Q3_K's codes centred, no biases), and IQ4_NL and IQ4_XS, whose
 4-bit codes index a table of 16 int8 values, as those codes and their
 scales without biases (`_nonlinear`: the kernel's mode iq4_nl looks the
-values up). The rest
-are dequantized to float32 by the gguf package (llama.cpp's gguf-py: the
+values up), and the i-quants below 4 bits whose weight is a scale times
+a small integer (`CODEBOOKS`: a grid's value and a sign, or IQ1's value
+plus a delta of 1/8, times 8), as those integers, centred codes of 8 or 5
+bits, and float32 scales (`_codebook`). The rest (IQ2_XS and IQ2_S,
+whose 7-bit integers have a scale per 16 weights: the kernel takes 8-bit
+codes in groups of 32 at most) are dequantized to float32 by the gguf
+package (llama.cpp's gguf-py: the
 values llama.cpp computes with). Where weights stay quantized on a GPU
 (`requantize`) every encoding but the affine five, the K-quants included,
 is quantized again by mx.quantize, at the narrowest MLX width holding the
@@ -53,6 +58,9 @@ EXACT = AFFINE | {Q.Q5_0, Q.Q5_1}  # MLX's layout with float16 scales, as they a
 K_QUANTS = {Q.Q4_K, Q.Q5_K}  # MLX's layout with float32 scales (not on a GPU)
 SIXTEENS = {Q.Q6_K: 6, Q.Q3_K: 3, Q.Q2_K: 2}  # 16-weight groups, float32 scales: kvmux_native's kernel only
 NONLINEAR = {Q.IQ4_NL, Q.IQ4_XS}  # 4-bit codes of a table's values, no biases: kvmux_native's kernel only
+# A scale (per 32 weights, IQ1_M's per 16) times a small integer: symmetric
+# codes of these bits, no biases: kvmux_native's kernel only.
+CODEBOOKS = {Q.IQ2_XXS: 8, Q.IQ3_XXS: 8, Q.IQ3_S: 5, Q.IQ1_S: 5, Q.IQ1_M: 5}
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 
 # GGUF metadata value types: struct codes of the scalars, and numpy types of
@@ -141,9 +149,9 @@ def read_header(path: Path) -> Header:
 
 def read_tensors(path: Path, header: Header, requantize: bool, kernel: bool = False) -> dict[str, mx.array]:
     """Every tensor: floats as stored, triplets for the affine encodings
-    (Q4_K and Q5_K too, unless `requantize`; SIXTEENS and NONLINEAR where
-    kvmux_native's kernel multiplies them, `kernel`), the rest float32 (or
-    quantized again, `requantize`)."""
+    (Q4_K and Q5_K too, unless `requantize`; SIXTEENS, NONLINEAR and
+    CODEBOOKS where kvmux_native's kernel multiplies them, `kernel`), the
+    rest float32 (or quantized again, `requantize`)."""
     check(header)
     if header.encodings <= FLOATS.keys() | AFFINE:
         return mx.load(str(path))
@@ -184,7 +192,7 @@ def as_stored(encoding: Q, requantize: bool, kernel: bool) -> bool:
     return (
         encoding in EXACT
         or (encoding in K_QUANTS and not requantize)
-        or (encoding in SIXTEENS.keys() | NONLINEAR and kernel)
+        or (encoding in SIXTEENS.keys() | NONLINEAR | CODEBOOKS.keys() and kernel)
     )
 
 
@@ -192,7 +200,7 @@ def mode(bits: int, biases: bool) -> str:
     """The kvmux_native mode of a quantized tensor read_tensors made: affine
     with biases (worker/model.py's `_mode` finds the symmetric ones among
     them: Q4_0, Q5_0, Q8_0); without, iq4_nl at 4 bits (NONLINEAR),
-    symmetric at 3 and 6 (Q3_K and Q6_K)."""
+    symmetric at 3, 5, 6 and 8 (Q3_K, Q6_K and CODEBOOKS)."""
     if biases:
         return "affine"
     return "iq4_nl" if bits == 4 else "symmetric"
@@ -224,9 +232,12 @@ def decodable(encoding: Q) -> bool:
 
 
 def _affine(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, a K-quant or
-    an IQ4 as MLX's packed weights, scales and biases (what mx.load makes of
-    the first three; none, None, where `mode` says so)."""
+    """(rows, blocks, bytes) of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, a K-quant, an
+    IQ4 or a CODEBOOKS i-quant as MLX's packed weights, scales and biases
+    (what mx.load makes of the first three; none, None, where `mode` says
+    so)."""
+    if encoding in CODEBOOKS:
+        return _codebook(blocks, encoding)
     if encoding in K_QUANTS:
         return _k_quant(blocks, encoding)
     if encoding in SIXTEENS:
@@ -353,3 +364,44 @@ def _nonlinear(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray,
         indices = _nibbles(flat[:, 8:].reshape(-1, 8, 16))
         scales = d.astype(np.float32) * ls
     return _packed(indices.reshape(rows, -1), 4), scales.reshape(rows, -1), None
+
+
+def _codebook(blocks: np.ndarray, encoding: Q) -> tuple[np.ndarray, np.ndarray, None]:
+    """A CODEBOOKS encoding's super-blocks (256 weights) as symmetric codes
+    of its bits, float32 scales and no biases: each weight gguf-py decodes
+    divided by its group's scale (`_codebook_scales`) is an integer (a
+    grid's value and a sign, or 8 times IQ1's value plus its delta), so
+    `(q - 2^(bits - 1)) * scale` is that weight, one rounding of the same
+    product. Decoded 256 rows at a time (a bounded float32 copy)."""
+    rows, count, size = blocks.shape
+    bits = CODEBOOKS[encoding]
+    scales = _codebook_scales(blocks.reshape(-1, size), encoding).reshape(rows, -1)
+    codes = np.empty((rows, count * 256), np.uint8)
+    for at in range(0, rows, 256):
+        s = scales[at : at + 256, :, None]
+        values = dequantize(blocks[at : at + 256].reshape(len(s), -1), encoding).reshape(*s.shape[:2], -1)
+        q = np.divide(values, s, out=np.zeros_like(values), where=s != 0)  # a zero scale's weights: 0
+        codes[at : at + 256] = (np.nan_to_num(np.rint(q)) + 2 ** (bits - 1)).astype(np.uint8).reshape(len(s), -1)
+    return _packed(codes, bits), scales, None
+
+
+def _codebook_scales(flat: np.ndarray, encoding: Q) -> np.ndarray:
+    """(blocks, bytes) of a CODEBOOKS encoding: each group's scale (float32,
+    (blocks, groups)) as gguf-py computes it, IQ1's over 8 (exact)."""
+    if encoding == Q.IQ1_M:  # d's 16 bits in the top nibbles of its last 4 uint16s, 3-bit scales per 16 below
+        words = flat[:, 48:56].copy().view(np.uint16)
+        d = np.bitwise_or.reduce((words >> 12) << np.array([0, 4, 8, 12], np.uint16), axis=-1).astype(np.uint16)
+        scales = ((words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(len(flat), -1)
+        return d.view(np.float16).astype(np.float32)[:, None] * (2 * scales + 1) * np.float32(0.125)
+    d = flat[:, :2].copy().view(np.float16).astype(np.float32)
+    if encoding == Q.IQ2_XXS:  # 8 x (4 grid indices, a uint32 of signs with a 4-bit scale on top)
+        ls = (flat[:, 2:].copy().view(np.uint32)[:, 1::2] >> 28).astype(np.float32)
+        return d * (np.float32(0.5) + ls) * np.float32(0.25)
+    if encoding == Q.IQ3_XXS:  # 64 grid indices, then 8 uint32s as IQ2_XXS's second
+        ls = (flat[:, 66:].copy().view(np.uint32) >> 28).astype(np.float32)
+        return d * (np.float32(0.5) + ls) * np.float32(0.5)
+    if encoding == Q.IQ3_S:  # the last 4 bytes: a 4-bit scale per 32 weights
+        ls = (flat[:, -4:, None] >> np.array([0, 4], np.uint8)) & 15
+        return d * (1 + 2 * ls.reshape(len(flat), -1))
+    qh = flat[:, 34:].copy().view(np.uint16)  # IQ1_S: 32 grid indices' low bytes, then a uint16 per 32 weights
+    return d * (2 * ((qh >> 12) & 7) + 1) * np.float32(0.125)
