@@ -15,7 +15,7 @@ here, and so do Q5_0 and Q5_1 (5-bit codes, a scale and a minimum per 32
 weights: MLX's 5-bit layout), Q4_K and Q5_K (a scale and a minimum per 32
 weights: with float32 scales `d * sc` and biases `-dmin * m` their weights
 are exactly the gguf package's). Where kvmux_native's kernel runs
-(`kernel`) two more kinds stay quantized, exactly too: Q6_K, Q3_K and Q2_K,
+(`kernel`) three more kinds stay quantized, exactly too: Q6_K, Q3_K and Q2_K,
 which have a scale per 16 weights, as 16-weight groups with float32
 scales (`_sixteens`: MLX's layout takes no groups of 16, the kernel does;
 Q6_K's and Q3_K's codes centred, no biases), and IQ4_NL and IQ4_XS, whose
@@ -24,11 +24,11 @@ scales without biases (`_nonlinear`: the kernel's mode iq4_nl looks the
 values up), and the i-quants below 4 bits whose weight is a scale times
 a small integer (`CODEBOOKS`: a grid's value and a sign, or IQ1's value
 plus a delta of 1/8, times 8), as those integers, centred codes of 8 or 5
-bits, and float32 scales (`_codebook`). The rest (IQ2_XS and IQ2_S,
-whose 7-bit integers have a scale per 16 weights: the kernel takes 8-bit
-codes in groups of 32 at most) are dequantized to float32 by the gguf
-package (llama.cpp's gguf-py: the
-values llama.cpp computes with). Where weights stay quantized on a GPU
+bits, and float32 scales (`_codebook`). The rest (among them IQ2_XS and
+IQ2_S, whose 7-bit integers have a scale per 16 weights: the kernel
+takes 8-bit codes in groups of 32 at most) are dequantized to float32 by
+the gguf package (llama.cpp's gguf-py: the values llama.cpp computes
+with). Where weights stay quantized on a GPU
 (`requantize`) every encoding but the affine five, the K-quants included,
 is quantized again by mx.quantize, at the narrowest MLX width holding the
 encoding's (Q4_K: 4 bits, Q6_K: 6): MLX's GPU kernels take no float32
