@@ -257,7 +257,8 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
     """A small random llama in Q6_K, Q3_K and Q2_K (a scale per 16 weights),
     IQ4_XS and IQ4_NL (4-bit indices into a table) in one layer, Q4_0,
     Q5_0, Q8_0 (no minimum), Q4_1 and Q5_1 in the next, the i-quants
-    below 4 bits (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) in the last, its
+    below 4 bits (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) in
+    the last, its
     tied embedding Q6_K, IQ4_XS or Q8_0: on kvmux_native's kernel its
     layers keep them quantized (groups of 16, the symmetric and iq4_nl
     modes, no biases where the kernel makes them from the scales; fused
@@ -280,7 +281,7 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
     encodings[0] |= {"ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_NL, "ffn_down": Q.Q6_K}
     encodings[1] |= {"ffn_gate": Q.Q5_1, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_0}
     encodings.append({"attn_q": Q.IQ2_XXS, "attn_k": Q.IQ3_XXS, "attn_v": Q.IQ3_S, "attn_output": Q.IQ1_S})
-    encodings[2] |= {"ffn_gate": Q.IQ1_M, "ffn_up": Q.IQ2_XXS, "ffn_down": Q.IQ3_S}
+    encodings[2] |= {"ffn_gate": Q.IQ1_M, "ffn_up": Q.IQ2_XS, "ffn_down": Q.IQ2_S}
     shapes = {"attn_k": 128, "attn_v": 128}  # 2 KV heads of 64
     tensors = {"token_embd.weight": (Q[embedding], _blocks(rng, Q[embedding], vocab, hidden, 1e-4))}
     tensors["output_norm.weight"] = (Q.F32, rng.uniform(0.5, 1.5, hidden).astype(np.float32))
@@ -323,6 +324,7 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
         (5, 32, "symmetric"),
         (8, 32, "symmetric"),
         (5, 16, "symmetric"),
+        (8, 16, "symmetric"),
         (4, 32, "affine"),
         (5, 32, "affine"),
     }
@@ -338,7 +340,7 @@ def test_k_quants_and_iq4_on_the_kernel_compute_as_their_float32_copy(tmp_path, 
         kvmux_command("doctor", "--model", str(tmp_path / "k.gguf"), "--timeout", "0.1"), capture_output=True, text=True
     )
     [line] = [line for line in doctor.stdout.splitlines() if line.split()[1:2] == ["model"]]
-    stored = "IQ1_M IQ1_S IQ2_XXS IQ3_S IQ3_XXS IQ4_NL IQ4_XS Q2_K Q3_K Q4_0 Q4_1 Q5_0 Q5_1 Q6_K Q8_0"
+    stored = "IQ1_M IQ1_S IQ2_S IQ2_XS IQ2_XXS IQ3_S IQ3_XXS IQ4_NL IQ4_XS Q2_K Q3_K Q4_0 Q4_1 Q5_0 Q5_1 Q6_K Q8_0"
     assert line.endswith(f"(as stored: {stored})"), line
 
 
@@ -635,17 +637,17 @@ def _iq4_xs(raw: np.ndarray) -> np.ndarray:
 
 
 def test_i_quants_below_4_bits_stay_codes_on_the_kernel(tmp_path):
-    """IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M where kvmux_native's kernel
-    runs: centred codes of 8 or 5 bits and float32 scales, no biases (its
-    symmetric mode), whose weights are gguf-py's, the float32 path's, bit
-    for bit; IQ2_XS (7-bit integers, a scale per 16) float32 either way."""
+    """The i-quants below 4 bits where kvmux_native's kernel runs: centred
+    codes of 8 or 5 bits and float32 scales per 32 or 16 weights, no
+    biases (its symmetric mode), whose weights are gguf-py's, the float32
+    path's, bit for bit."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
     from kvmux.worker import gguf_file
 
     rng = np.random.default_rng(2)
-    encodings = [Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XS]
+    encodings = [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M]
     tensors = {f"{e.name}.weight": (e, _blocks(rng, e, 8, 512)) for e in encodings}
     _write(tmp_path / "iq.gguf", tensors)
     header = gguf_file.read_header(tmp_path / "iq.gguf")
@@ -654,10 +656,7 @@ def test_i_quants_below_4_bits_stay_codes_on_the_kernel(tmp_path):
     for e in encodings:
         want = dequantize(tensors[f"{e.name}.weight"][1], e)
         assert np.array_equal(np.array(floats[f"{e.name}.weight"]), want), e.name
-        if e not in gguf_file.CODEBOOKS:
-            assert kernel[f"{e.name}.weight"].dtype == mx.float32
-            continue
-        bits, group = gguf_file.CODEBOOKS[e], 16 if e == Q.IQ1_M else 32
+        bits, group = gguf_file.CODEBOOKS[e], 16 if e in (Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M) else 32
         codes, s = kernel[f"{e.name}.weight"], kernel[f"{e.name}.scales"]
         assert f"{e.name}.biases" not in kernel and s.dtype == mx.float32 and s.shape == (8, 512 // group), e.name
         ones = mx.ones((8, 512 // 32), mx.float32)

@@ -64,10 +64,11 @@ def reference(x, codes, s, b, group, bits, mode="affine"):
 @pytest.mark.parametrize(
     ("bits", "group", "mode"),
     [(b, g, "affine") for b in (4, 8, 2, 3, 5, 6) for g in (32, 64, 128)]
-    + [(b, 16, "affine") for b in (2, 3, 5, 6)]
+    + [(b, 16, "affine") for b in (2, 3, 5, 6, 8)]
     + [(4, g, "iq4_nl") for g in (32, 64)]
     + [(b, g, "symmetric") for b in (3, 6) for g in (16, 32)]
-    + [(b, 32, "symmetric") for b in (4, 5, 8)],
+    + [(b, 32, "symmetric") for b in (4, 5, 8)]
+    + [(b, 16, "symmetric") for b in (5, 8)],
 )
 def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_count(bits, group, mode):
     codes, s, b = quantized(96, 640, bits, group, seed=bits * group, mode=mode)
@@ -90,7 +91,7 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
 # loop's index), with float16 scales (IQ4_NL's) and float32 (IQ4_XS's);
 # symmetric codes' biases are made from their scales (Q6_K's and Q3_K's
 # float32 ones in groups of 16, Q4_0's and Q8_0's float16 ones, halves' on
-# AVX2).
+# AVX2; 8-bit codes in groups of 16, IQ2_XS's and IQ2_S's, never halves').
 @pytest.mark.parametrize(
     ("bits", "k", "group", "mode"),
     [
@@ -109,6 +110,7 @@ def test_quantized_matmul_equals_float32_products_for_every_width_group_and_row_
         (3, 576, 16, "symmetric"),
         (4, 576, 32, "symmetric"),
         (8, 1536, 32, "symmetric"),
+        (8, 576, 16, "symmetric"),
     ],
 )
 def test_a_row_is_bit_identical_alone_anywhere_in_a_product_and_on_every_instruction_set(bits, k, group, mode):
@@ -582,6 +584,8 @@ def test_int8_products_refuse_what_they_cannot_take_and_keep_a_nan_to_its_row():
     six = quantized(16, 64, 6, 32, seed=0)
     with pytest.raises(ValueError, match="4- and 8-bit"):
         native.pack(*six, 32, 6)
+    with pytest.raises(ValueError, match="groups of 32 or more"):
+        native.pack(*quantized(16, 64, 8, 16, seed=0), 16, 8)
     other = native.pack(*quantized(32, 64, 4, 32, seed=1), 32, 4)
     x = mx.random.normal((3, 64), key=mx.random.key(2))
     for wrong in (other, packed[:1], [packed[0], packed[1].astype(mx.float32)]):

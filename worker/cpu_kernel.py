@@ -31,8 +31,8 @@ quantized layers on a GPU and float32 copies on a CPU, and `describe`
 says so in Compute.
 
 `--cpu-products int8` (`adopt(model, int8=True)`) opts into llama.cpp's
-arithmetic: each 4- or 8-bit affine or symmetric weight matrix is packed
-once at load (`kvmux_native.pack`: its rows interleaved by 16, its
+arithmetic: each 4- or 8-bit affine or symmetric weight matrix (in groups
+of 32 or more) is packed once at load (`kvmux_native.pack`: its rows interleaved by 16, its
 scales and biases beside them) and x is quantized to int8 per 32 weights
 in every product (worker/native/src/kernels.h, "int8 products"). Still
 row-invariant and the same on every instruction set, but ~0.5 % off
@@ -208,7 +208,7 @@ def adopt(model: nn.Module, int8: bool = False) -> None:
         mode = getattr(module, "mode", "affine")
         if kind is not None and mode in MODES:
             module.__class__ = kind
-            if int8 and kind in (QuantizedLinear, QuantizedEmbedding) and module.bits in (4, 8) and mode != "iq4_nl":
+            if int8 and kind in (QuantizedLinear, QuantizedEmbedding) and _packable(module):
                 module.__dict__[_PACKED_MARK] = kvmux_native.pack(
                     module["weight"], module["scales"], _biases(module), module.group_size, module.bits
                 )
@@ -223,6 +223,12 @@ def adopt(model: nn.Module, int8: bool = False) -> None:
                 _projections(attn.q_proj, attn.k_proj, attn.v_proj),
                 _projections(mlp.gate_proj, mlp.up_proj, mlp.down_proj),
             )
+
+
+def _packable(module: nn.Module) -> bool:
+    """Whether the int8 products take the module: 4 or 8 bits, affine or
+    symmetric, a scale per 32 weights or more."""
+    return module.bits in (4, 8) and module.mode != "iq4_nl" and module.group_size >= 32
 
 
 def _biases(module: nn.Module) -> mx.array:

@@ -1,9 +1,10 @@
 """GGUF files: the header (metadata and tensor table), and the tensors as
 MLX arrays in the two forms worker/model.py loads: float arrays, or MLX's
 affine quantized triplets (`name.weight` packed uint32, `name.scales`,
-`name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS`). A
-tensor without biases is one of kvmux_native's other modes (`mode`):
-iq4_nl for `NONLINEAR`, symmetric for Q6_K, Q3_K and `CODEBOOKS`.
+`name.biases`, `GROUP_SIZE` weights a scale, or 16 for `SIXTEENS` and
+three `CODEBOOKS`). A tensor without biases is one of kvmux_native's
+other modes (`mode`): iq4_nl for `NONLINEAR`, symmetric for Q6_K, Q3_K
+and `CODEBOOKS`.
 
 Q4_0, Q4_1 and Q8_0 blocks already are that affine code (`w = scale * q +
 bias` per 32 weights): they become triplets losslessly, as MLX's own GGUF
@@ -24,11 +25,9 @@ scales without biases (`_nonlinear`: the kernel's mode iq4_nl looks the
 values up), and the i-quants below 4 bits whose weight is a scale times
 a small integer (`CODEBOOKS`: a grid's value and a sign, or IQ1's value
 plus a delta of 1/8, times 8), as those integers, centred codes of 8 or 5
-bits, and float32 scales (`_codebook`). The rest (among them IQ2_XS and
-IQ2_S, whose 7-bit integers have a scale per 16 weights: the kernel
-takes 8-bit codes in groups of 32 at most) are dequantized to float32 by
-the gguf package (llama.cpp's gguf-py: the values llama.cpp computes
-with). Where weights stay quantized on a GPU
+bits, and float32 scales (`_codebook`). The rest (the ternary and FP4
+encodings) are dequantized to float32 by the gguf package (llama.cpp's
+gguf-py: the values llama.cpp computes with). Where weights stay quantized on a GPU
 (`requantize`) every encoding but the affine five, the K-quants included,
 is quantized again by mx.quantize, at the narrowest MLX width holding the
 encoding's (Q4_K: 4 bits, Q6_K: 6): MLX's GPU kernels take no float32
@@ -58,9 +57,10 @@ EXACT = AFFINE | {Q.Q5_0, Q.Q5_1}  # MLX's layout with float16 scales, as they a
 K_QUANTS = {Q.Q4_K, Q.Q5_K}  # MLX's layout with float32 scales (not on a GPU)
 SIXTEENS = {Q.Q6_K: 6, Q.Q3_K: 3, Q.Q2_K: 2}  # 16-weight groups, float32 scales: kvmux_native's kernel only
 NONLINEAR = {Q.IQ4_NL, Q.IQ4_XS}  # 4-bit codes of a table's values, no biases: kvmux_native's kernel only
-# A scale (per 32 weights, IQ1_M's per 16) times a small integer: symmetric
-# codes of these bits, no biases: kvmux_native's kernel only.
-CODEBOOKS = {Q.IQ2_XXS: 8, Q.IQ3_XXS: 8, Q.IQ3_S: 5, Q.IQ1_S: 5, Q.IQ1_M: 5}
+# A scale (per 32 weights; IQ2_XS's, IQ2_S's and IQ1_M's per 16) times a
+# small integer: symmetric codes of these bits, no biases: kvmux_native's
+# kernel only.
+CODEBOOKS = {Q.IQ2_XXS: 8, Q.IQ2_XS: 8, Q.IQ2_S: 8, Q.IQ3_XXS: 8, Q.IQ3_S: 5, Q.IQ1_S: 5, Q.IQ1_M: 5}
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 
 # GGUF metadata value types: struct codes of the scalars, and numpy types of
@@ -400,6 +400,9 @@ def _codebook_scales(flat: np.ndarray, encoding: Q) -> np.ndarray:
     if encoding == Q.IQ3_XXS:  # 64 grid indices, then 8 uint32s as IQ2_XXS's second
         ls = (flat[:, 66:].copy().view(np.uint32) >> 28).astype(np.float32)
         return d * (np.float32(0.5) + ls) * np.float32(0.5)
+    if encoding in (Q.IQ2_XS, Q.IQ2_S):  # the last 8 bytes: a 4-bit scale per 16 weights
+        ls = ((flat[:, -8:, None] >> np.array([0, 4], np.uint8)) & 15).reshape(len(flat), -1)
+        return d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(0.25)
     if encoding == Q.IQ3_S:  # the last 4 bytes: a 4-bit scale per 32 weights
         ls = (flat[:, -4:, None] >> np.array([0, 4], np.uint8)) & 15
         return d * (1 + 2 * ls.reshape(len(flat), -1))

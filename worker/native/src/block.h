@@ -165,12 +165,12 @@ struct Steps {
 };
 
 // f(Steps<group / 32>{}) for the model's group size (32, 64 or 128, and
-// 16 for widths other than 4 and 8 bits, as check_quantized allows): the
-// loops over groups take their steps as a constant, so a group of 32 is
-// one step with no inner loop to run.
-template <int BITS, class F>
+// 16 for widths other than 4 bits, as check_quantized allows, where the
+// caller takes it: SIXTEEN): the loops over groups take their steps as a
+// constant, so a group of 32 is one step with no inner loop to run.
+template <int BITS, bool SIXTEEN = BITS != 4, class F>
 inline void by_group(int group, F&& f) {
-  if constexpr (BITS != 4 && BITS != 8)
+  if constexpr (SIXTEEN)
     if (group == 16) return f(Steps<1, true>{});
   switch (group) {
     case 32:
@@ -487,7 +487,7 @@ void halves(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1) {
   float* scale = converted.data();  // two weight rows' scales, then their biases
   float* bias = scale + 2 * groups;
   const bool pairs = rows <= PAIR_ROWS;
-  by_group<BITS>(p.group, [&](auto steps) {
+  by_group<BITS, false>(p.group, [&](auto steps) {  // never groups of 16 (block_typed)
     constexpr int STEPS = decltype(steps)::value;
     for (int nb = n0; nb < n1; nb += HALF_WEIGHT_ROWS) {
       const int ne = n1 - nb < HALF_WEIGHT_ROWS ? n1 : nb + HALF_WEIGHT_ROWS;
@@ -667,8 +667,8 @@ void block_typed(const kvmux_native::Problem& p, int n0, int n1, int m0, int m1,
     if (rows <= DIRECT && rows >= passes * (V::CHUNK + 1))
       return direct<V, BITS, ST, MODE, V::WIDE_IN_FLIGHT, V::WIDE_CHUNK>(p, n0, n1, m0, m1);
   }
-  if constexpr (V::PARTS > 1 && (BITS == 4 || BITS == 8))
-    if (rows >= V::HALVES_FROM && rows <= DIRECT) return halves<V, BITS, ST, MODE>(p, n0, n1, m0, m1);
+  if constexpr (V::PARTS > 1 && (BITS == 4 || BITS == 8))  // a half's scale is per 32 weights at least
+    if (rows >= V::HALVES_FROM && rows <= DIRECT && p.group != 16) return halves<V, BITS, ST, MODE>(p, n0, n1, m0, m1);
   if (rows <= DIRECT) return direct<V, BITS, ST, MODE, V::IN_FLIGHT, V::CHUNK>(p, n0, n1, m0, m1);
   scratch_block<V, BITS, ST, MODE, NB, MB>(p, n0, n1, m0, m1, scratch);
 }

@@ -396,6 +396,7 @@ std::vector<mx::array> pack(const mx::array& w, const mx::array& scales, const m
   if (bits != 4 && bits != 8)
     throw std::invalid_argument("[kvmux_native.pack] the int8 products take 4- and 8-bit weights, not " +
                                 std::to_string(bits));
+  if (group_size == 16) throw std::invalid_argument("[kvmux_native.pack] the int8 products take groups of 32 or more");
   auto ws = mx::contiguous(w), ss = mx::contiguous(scales), bs = mx::contiguous(biases);
   mx::eval({ws, ss, bs});
   const Problem p = problem(ws, ss, bs, group_size, bits, Mode::affine);
@@ -444,12 +445,12 @@ void check_quantized(const mx::array& w, const mx::array& scales, const mx::arra
     fail("bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
   if (mode == Mode::iq4_nl && bits != 4) fail("iq4_nl codes are 4 bits, not " + std::to_string(bits));
   if (mode == Mode::symmetric && bits == 2) fail("symmetric codes are 3, 4, 5, 6 or 8 bits, not 2");
-  // 16 (GGUF's Q6_K, Q3_K and Q2_K) for the widths whose kernels take a
-  // scale per 16 weights; 4 and 8 bits' (halves, TABLE4, int8) take one
-  // per 32 at most.
-  const bool sixteen = group_size == 16 && bits != 4 && bits != 8;
+  // 16 (GGUF's Q6_K, Q3_K, Q2_K, IQ2_XS, IQ2_S and IQ1_M) for the widths
+  // whose kernels take a scale per 16 weights; 4 bits' (TABLE4, codes4's
+  // lane order) take one per 32 at most, and so do the int8 products (pack).
+  const bool sixteen = group_size == 16 && bits != 4;
   if (!sixteen && group_size != 32 && group_size != 64 && group_size != 128)
-    fail("group_size must be 32, 64 or 128 (or 16 with 2, 3, 5 or 6 bits), not " + std::to_string(group_size));
+    fail("group_size must be 32, 64 or 128 (or 16 with 2, 3, 5, 6 or 8 bits), not " + std::to_string(group_size));
   if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array of packed codes");
   if (mode != Mode::affine) {
     if (biases.size() != 0)
