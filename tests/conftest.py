@@ -188,7 +188,11 @@ class Stack:
         for _ in range(workers):
             self.add_worker(wait=False)
         if wait:
-            self.ready()
+            try:
+                self.ready()
+            except BaseException:  # no caller holds a stack that never came up: stop its processes here
+                self.stop()
+                raise
 
     def ready(self) -> Stack:
         """Until the workers it started with are registered."""
