@@ -32,12 +32,12 @@ says so in Compute.
 
 `--cpu-products int8` (`adopt(model, int8=True)`) opts into llama.cpp's
 arithmetic: each 4- or 8-bit affine or symmetric weight matrix (in groups
-of 32 or more) is packed once at load (`kvmux_native.pack`: its rows interleaved by 16, its
-scales and biases beside them) and x is quantized to int8 per 32 weights
-in every product (worker/native/src/kernels.h, "int8 products"). Still
-row-invariant and the same on every instruction set, but ~0.5 % off
-each product: tokens differ from the exact products' wherever a choice
-was that close.
+of 32 or more: `_packable`) is packed once at load (`kvmux_native.pack`:
+its rows interleaved by 16, its scales and biases beside them) and x is
+quantized to int8 per 32 weights in every product
+(worker/native/src/kernels.h, "int8 products"). Still row-invariant and
+the same on every instruction set, but ~0.5 % off each product: tokens
+differ from the exact products' wherever a choice was that close.
 """
 
 from __future__ import annotations
