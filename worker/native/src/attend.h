@@ -210,11 +210,17 @@ inline L sums16(F x) {
 // slots' lines at a time.
 constexpr int PREFETCH_SLOTS = 32;
 
-inline void ahead(const uint16_t* slots, int j, int n, int D) {
-  const int from = j + PREFETCH_SLOTS, to = from + 16 < n ? from + 16 : n;
+// Slots [from, to) of `slots` (D float16s each) read in, a cache line at
+// a time (none where to <= from).
+inline void read_in(const uint16_t* slots, int from, int to, int D) {
   const char* p = reinterpret_cast<const char*>(slots + size_t(from) * D);
   const char* end = reinterpret_cast<const char*>(slots + size_t(to) * D);
   for (; p < end; p += 64) __builtin_prefetch(p);
+}
+
+inline void ahead(const uint16_t* slots, int j, int n, int D) {
+  const int from = j + PREFETCH_SLOTS;
+  read_in(slots, from, from + 16 < n ? from + 16 : n, D);
 }
 
 // N vectors folded as one (sums16 over N queries at once).
@@ -393,9 +399,7 @@ void weigh_values(const float* w, size_t stride, const uint16_t* values, int n, 
         const int from = j1 + e0 / GROUP * SHARE, to = std::min({from + SHARE, j1 + VALUE_BLOCK, n});
         for (int j = j0; j < j1; ++j) {
           if (j0 == 0 && e0 == 0 && j % 16 == 0) ahead(values, j, n, DC * 16);
-          if (const int t = from + (j - j0); t < to)
-            for (int line = 0; line < DC * 32; line += 64)
-              __builtin_prefetch(reinterpret_cast<const char*>(values + size_t(t) * DC * 16) + line);
+          if (const int t = from + (j - j0); t < to) read_in(values, t, t + 1, DC * 16);
           const uint16_t* v = values + size_t(j) * DC * 16;
           for (int g = 0; g < GROUP && e0 + g < E; ++g) {
             const int e = e0 + g;
@@ -762,9 +766,7 @@ void attend_chunk(const kvmux_native::Attention& a, int r0, int r1, int kv, int 
   const bool by_query = L::ONE_REGISTER && L::LANES == 16 && (D == 64 || D == 128 || D == 256);
   for (int j = 0; j < most; j += VS) {
     const int m = most - j < VS ? most - j : VS;
-    const char* line = reinterpret_cast<const char*>(values + size_t(j) * D);  // read in while the weights are computed
-    for (const char* end = reinterpret_cast<const char*>(values + size_t(j + m) * D); line < end; line += 64)
-      __builtin_prefetch(line);
+    read_in(values, j, j + m, D);  // while the weights are computed
     for (int v = 0; v < QV; ++v) {
       L total = L::load(sum + W * v);
       for (int k = j; k < j + m; ++k) {
